@@ -1,0 +1,79 @@
+"""`pypto-gym` console entry point; `scripts/*.py` are thin aliases of its subcommands."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+class UserError(Exception):
+    """A problem with what the user passed: printed as one line, no traceback."""
+
+
+def _add_model_args(ap):
+    ap.add_argument("--model", help="checkpoint directory (default: the embedded tiny Qwen2.5-VL)")
+    ap.add_argument("--image", help="image file (default: the sample image shipped in modeling/)")
+    ap.add_argument("--prompt", default="Read the text in the image.")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "npu", "cuda"])
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                    help="model dtype (default: the checkpoint's)")
+
+
+def _load(args):
+    from .inference import resolve_device
+    from .models.qwen2_5_vl import TINY_DIR, load_model_and_processor
+
+    device = resolve_device(args.device)
+    t0 = time.perf_counter()
+    model, processor = load_model_and_processor(args.model or TINY_DIR, args.dtype or "auto", device)
+    return model, processor, device, time.perf_counter() - t0
+
+
+def cmd_infer(args) -> int:
+    from .inference import InferenceResult, generate, open_image, peak_memory_mb
+    from .models.qwen2_5_vl import SAMPLE_IMAGE
+
+    image = open_image(args.image or SAMPLE_IMAGE)
+    model, processor, device, load_s = _load(args)
+    texts, n_new, prefill_s, tps = generate(model, processor, [args.prompt], [image], args.max_new_tokens)
+    result = InferenceResult(text=texts, new_tokens=n_new, load_s=load_s, prefill_s=prefill_s,
+                             decode_tokens_per_s=tps, peak_memory_mb=peak_memory_mb(device),
+                             device=device, dtype=str(model.dtype).replace("torch.", ""))
+    print(f"generated: {texts[0]!r}")
+    print(f"load {load_s:.2f} s | prefill {prefill_s * 1e3:.1f} ms | decode {tps:.1f} tokens/s | "
+          f"peak memory {result.peak_memory_mb:.0f} MB | {device} {result.dtype}")
+    if args.report_file:
+        with open(args.report_file, "w") as f:
+            json.dump(result.to_json(), f, indent=2)
+        print(f"report written to {args.report_file}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pypto-gym", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("infer", help="generate with a Qwen2.5-VL-family model and time it")
+    _add_model_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--report-file", help="write timings (and the patch report) as JSON")
+    p.set_defaults(func=cmd_infer)
+    return ap
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (UserError, FileNotFoundError, ValueError, TypeError) as e:
+        if os.environ.get("PYPTO_GYM_DEBUG"):
+            raise
+        print(f"pypto-gym {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
