@@ -1,0 +1,247 @@
+// Fused CPU kernels for the pypto_gym RMSNorm op family.
+//
+// One pass over each row for the statistics and one for the output, rows split across threads
+// with at::parallel_for. Element loops are written over raw storage types with inline
+// conversions so GCC vectorises them (-O3 -march=native); the reductions carry `omp simd`
+// so they may be reassociated without -ffast-math (which would break NaN propagation).
+// The math mirrors pypto_gym/ops/reference.py; see SPEC sections 2.1-2.4.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+
+namespace {
+
+struct F32 {
+  using T = float;
+  static inline float load(float v) { return v; }
+  static inline float store(float f) { return f; }
+};
+struct F16 {
+  using T = _Float16;
+  static inline float load(_Float16 v) { return (float)v; }
+  static inline _Float16 store(float f) { return (_Float16)f; }
+};
+struct BF16 {
+  using T = uint16_t;
+  static inline float load(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static inline uint16_t store(float f) {  // round to nearest even, quiet NaN as c10 does
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0u : (uint16_t)rounded;
+  }
+};
+
+inline int64_t grain_for(int64_t D) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)); }
+
+template <class X>
+inline float sum_squares(const typename X::T* x, int64_t D) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < D; ++i) {
+    float v = X::load(x[i]);
+    acc += v * v;
+  }
+  return acc;
+}
+
+// y = O(G(gamma) * T(x * r))  (hf)   or   y = T(x * r * gamma)  (fp32);  O = T when G == T, else f32.
+template <class X, class G, class O>
+void norm_row(const typename X::T* x, const typename G::T* g, typename O::T* y, int64_t D, float r,
+              bool fp32_mode) {
+  if (g == nullptr) {
+    for (int64_t i = 0; i < D; ++i) y[i] = O::store(X::load(X::store(X::load(x[i]) * r)));
+  } else if (fp32_mode) {
+    for (int64_t i = 0; i < D; ++i) y[i] = O::store(X::load(x[i]) * r * G::load(g[i]));
+  } else {
+    for (int64_t i = 0; i < D; ++i) y[i] = O::store(G::load(g[i]) * X::load(X::store(X::load(x[i]) * r)));
+  }
+}
+
+template <class X, class G, class O>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor* x2, const at::Tensor* g, at::Tensor& y,
+                   at::Tensor* xo, double eps, bool fp32_mode) {
+  const int64_t D = x.size(-1), R = x.numel() / std::max<int64_t>(D, 1);
+  auto xp = reinterpret_cast<const typename X::T*>(x.data_ptr());
+  auto x2p = x2 ? reinterpret_cast<const typename X::T*>(x2->data_ptr()) : nullptr;
+  auto gp = g ? reinterpret_cast<const typename G::T*>(g->data_ptr()) : nullptr;
+  auto yp = reinterpret_cast<typename O::T*>(y.data_ptr());
+  auto xop = xo ? reinterpret_cast<typename X::T*>(xo->data_ptr()) : nullptr;
+  const float feps = (float)eps;
+  at::parallel_for(0, R, grain_for(D), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const typename X::T* xr = xp + row * D;
+      if (x2p) {  // residual add, rounded to the input dtype exactly as torch.add does
+        typename X::T* o = xop + row * D;
+        const typename X::T* a = x2p + row * D;
+        for (int64_t i = 0; i < D; ++i) o[i] = X::store(X::load(xr[i]) + X::load(a[i]));
+        xr = o;
+      }
+      float var = sum_squares<X>(xr, D) / (float)D;
+      float r = 1.0f / std::sqrt(var + feps);
+      norm_row<X, G, O>(xr, gp, yp + row * D, D, r, fp32_mode);
+    }
+  });
+}
+
+at::ScalarType out_type(at::ScalarType xt, const c10::optional<at::Tensor>& g, bool fp32_mode) {
+  if (!g.has_value() || fp32_mode) return xt;
+  return at::promote_types(xt, g->scalar_type());
+}
+
+template <class F>
+void dispatch_x(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(F32{}); break;
+    case at::kHalf: f(F16{}); break;
+    case at::kBFloat16: f(BF16{}); break;
+    default: TORCH_CHECK(false, "pypto_gym cpu kernel: unsupported dtype ", t);
+  }
+}
+
+std::vector<at::Tensor> norm_entry(const at::Tensor& x_in, const c10::optional<at::Tensor>& x2_in,
+                                   const c10::optional<at::Tensor>& gamma, double eps, bool fp32_mode) {
+  const int64_t D = x_in.size(-1);
+  at::Tensor x = x_in.contiguous();
+  at::Tensor x2, xo;
+  if (x2_in.has_value()) {
+    x2 = x2_in->contiguous();
+    xo = at::empty(x.sizes(), x.options());
+  }
+  at::Tensor g;
+  if (gamma.has_value()) g = gamma->reshape({D}).contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_type(x.scalar_type(), gamma, fp32_mode)));
+  if (x.numel() > 0) {
+    dispatch_x(x.scalar_type(), [&](auto xt) {
+      using X = decltype(xt);
+      auto run_g = [&](auto gt) {
+        using G = decltype(gt);
+        if (y.scalar_type() == x.scalar_type())
+          rms_norm_impl<X, G, X>(x, x2.defined() ? &x2 : nullptr, g.defined() ? &g : nullptr, y,
+                                 xo.defined() ? &xo : nullptr, eps, fp32_mode);
+        else
+          rms_norm_impl<X, G, F32>(x, x2.defined() ? &x2 : nullptr, g.defined() ? &g : nullptr, y,
+                                   xo.defined() ? &xo : nullptr, eps, fp32_mode);
+      };
+      if (g.defined()) dispatch_x(g.scalar_type(), run_g);
+      else run_g(X{});
+    });
+  }
+  if (xo.defined()) return {y, xo};
+  return {y};
+}
+
+// ---- dynamic quantisation: n = x / rms(x) * gamma (+ beta); branch k: n * smooth_k; per-row scale.
+template <class X>
+void quant_impl(const at::Tensor& x, const at::Tensor* x2, at::Tensor* xo, const at::Tensor& g,
+                const at::Tensor* beta, const at::Tensor* s1, const at::Tensor* s2, double eps, float qmax,
+                float qmin, at::Tensor& y1, at::Tensor* y2, at::Tensor& sc1, at::Tensor* sc2) {
+  using T = typename X::T;
+  const int64_t D = x.size(-1), R = x.numel() / std::max<int64_t>(D, 1);
+  auto xp = reinterpret_cast<const T*>(x.data_ptr());
+  auto x2p = x2 ? reinterpret_cast<const T*>(x2->data_ptr()) : nullptr;
+  auto xop = xo ? reinterpret_cast<T*>(xo->data_ptr()) : nullptr;
+  auto gp = reinterpret_cast<const T*>(g.data_ptr());
+  auto bp = beta ? reinterpret_cast<const T*>(beta->data_ptr()) : nullptr;
+  const T* sp[2] = {s1 ? reinterpret_cast<const T*>(s1->data_ptr()) : nullptr,
+                    s2 ? reinterpret_cast<const T*>(s2->data_ptr()) : nullptr};
+  int8_t* yp[2] = {y1.data_ptr<int8_t>(), y2 ? y2->data_ptr<int8_t>() : nullptr};
+  float* scp[2] = {sc1.data_ptr<float>(), sc2 ? sc2->data_ptr<float>() : nullptr};
+  const int branches = y2 ? 2 : 1;
+  const float feps = (float)eps;
+  at::parallel_for(0, R, grain_for(D), [&](int64_t begin, int64_t end) {
+    std::vector<float> n(D), m(D);
+    for (int64_t row = begin; row < end; ++row) {
+      const T* xr = xp + row * D;
+      if (x2p) {
+        T* o = xop + row * D;
+        const T* a = x2p + row * D;
+        for (int64_t i = 0; i < D; ++i) o[i] = X::store(X::load(xr[i]) + X::load(a[i]));
+        xr = o;
+      }
+      float rms = std::sqrt(sum_squares<X>(xr, D) / (float)D + feps);
+      if (bp) {
+        for (int64_t i = 0; i < D; ++i) n[i] = X::load(xr[i]) / rms * X::load(gp[i]) + X::load(bp[i]);
+      } else {
+        for (int64_t i = 0; i < D; ++i) n[i] = X::load(xr[i]) / rms * X::load(gp[i]);
+      }
+      for (int b = 0; b < branches; ++b) {
+        const float* src = n.data();
+        if (sp[b]) {
+          for (int64_t i = 0; i < D; ++i) m[i] = n[i] * X::load(sp[b][i]);
+          src = m.data();
+        }
+        float amax = 0.f;
+        bool nan = false;
+        for (int64_t i = 0; i < D; ++i) {
+          float a = std::fabs(src[i]);
+          nan |= std::isnan(a);
+          amax = a > amax ? a : amax;
+        }
+        if (nan) amax = NAN;
+        float scale = amax / qmax;
+        scp[b][row] = scale;
+        int8_t* yr = yp[b] + row * D;
+        if (scale == 0.f) {
+          std::memset(yr, 0, D);
+        } else {
+          for (int64_t i = 0; i < D; ++i) {
+            float q = std::nearbyint(src[i] / scale);  // half to even under the default FE mode
+            q = q > qmax ? qmax : (q < qmin ? qmin : q);
+            yr[i] = (int8_t)(std::isnan(q) ? 0.f : q);
+          }
+        }
+      }
+    }
+  });
+}
+
+std::vector<c10::optional<at::Tensor>> quant_entry(const at::Tensor& x_in, const c10::optional<at::Tensor>& x2_in,
+                                                   const at::Tensor& gamma, const c10::optional<at::Tensor>& s1_in,
+                                                   const c10::optional<at::Tensor>& s2_in,
+                                                   const c10::optional<at::Tensor>& beta_in, double eps, double qmax,
+                                                   double qmin) {
+  const int64_t D = x_in.size(-1);
+  auto rows = x_in.sizes().vec();
+  rows.pop_back();
+  at::Tensor x = x_in.contiguous(), g = gamma.reshape({D}).contiguous();
+  at::Tensor x2, xo, s1, s2, beta;
+  if (x2_in.has_value()) {
+    x2 = x2_in->contiguous();
+    xo = at::empty(x.sizes(), x.options());
+  }
+  if (s1_in.has_value()) s1 = s1_in->reshape({D}).contiguous();
+  if (s2_in.has_value()) s2 = s2_in->reshape({D}).contiguous();
+  if (beta_in.has_value()) beta = beta_in->reshape({D}).contiguous();
+  auto i8 = x.options().dtype(at::kChar);
+  auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor y1 = at::empty(x.sizes(), i8), sc1 = at::empty(rows, f32), y2, sc2;
+  if (s2.defined()) {
+    y2 = at::empty(x.sizes(), i8);
+    sc2 = at::empty(rows, f32);
+  }
+  if (x.numel() > 0) {
+    dispatch_x(x.scalar_type(), [&](auto xt) {
+      quant_impl<decltype(xt)>(x, x2.defined() ? &x2 : nullptr, xo.defined() ? &xo : nullptr, g,
+                               beta.defined() ? &beta : nullptr, s1.defined() ? &s1 : nullptr,
+                               s2.defined() ? &s2 : nullptr, eps, (float)qmax, (float)qmin, y1,
+                               y2.defined() ? &y2 : nullptr, sc1, sc2.defined() ? &sc2 : nullptr);
+    });
+  }
+  auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
+  return {y1, opt(y2), opt(xo), sc1, opt(sc2)};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("norm", &norm_entry, "rms_norm / add_rms_norm (x2 given)");
+  m.def("quant", &quant_entry, "rms_norm_dynamic_quant / add_rms_norm_dynamic_quant (x2 given)");
+}

@@ -1,0 +1,102 @@
+"""Reference formulas of SPEC section 2, in plain torch: the goldens and the `torch` backend.
+
+Written straight from the spec so a reader can check them line by line. In `hf` mode
+`rms_norm` is the exact op sequence of transformers' `Qwen2_5_VLRMSNorm.forward`, so a model
+patched on this backend is bit-identical to the unpatched one.
+"""
+from __future__ import annotations
+
+import torch
+
+QUANT_RANGES = {"int8": (127.0, -128.0), "int4": (7.0, -8.0)}
+
+
+def _flat_gamma(gamma: torch.Tensor | None, D: int) -> torch.Tensor | None:
+    return None if gamma is None else gamma.reshape(D)
+
+
+def rms_norm(x, gamma=None, eps=1e-6, cast_mode="hf"):
+    D = x.shape[-1]
+    g = _flat_gamma(gamma, D)
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    if cast_mode == "hf":
+        h = h.to(input_dtype)
+        return h if g is None else g * h
+    if g is not None:
+        h = h * g.to(torch.float32)
+    return h.to(input_dtype)
+
+
+def add_rms_norm(x1, x2, gamma, eps=1e-6, cast_mode="hf"):
+    x_out = x1 + x2
+    return rms_norm(x_out, gamma, eps, cast_mode), x_out
+
+
+def _normalise_for_quant(x, gamma, beta, eps):
+    D = x.shape[-1]
+    xf = x.to(torch.float32)
+    rms = torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    n = xf / rms * gamma.reshape(D).to(torch.float32)
+    if beta is not None:
+        n = n + beta.reshape(D).to(torch.float32)
+    return n
+
+
+def quantize_rows(n: torch.Tensor, dst_type: str):
+    """Per-row symmetric dynamic quantisation: scale = row_max|n| / qmax, y = clamp(rint(n/scale)).
+
+    A row of zeros gets scale 0 and y 0; a NaN row gets scale NaN and y 0 (int8 has no NaN).
+    """
+    qmax, qmin = QUANT_RANGES[dst_type]
+    scale = n.abs().amax(-1, keepdim=True) / qmax
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(n / safe).clamp(qmin, qmax)
+    q = torch.where(torch.isnan(q) | (scale == 0), torch.zeros_like(q), q)
+    return q.to(torch.int8), scale.squeeze(-1)
+
+
+def rms_norm_dynamic_quant(x, gamma, smooth_scales=None, beta=None, eps=1e-6, dst_type="int8"):
+    n = _normalise_for_quant(x, gamma, beta, eps)
+    if smooth_scales is not None:
+        n = n * smooth_scales.reshape(x.shape[-1]).to(torch.float32)
+    return quantize_rows(n, dst_type)
+
+
+def add_rms_norm_dynamic_quant(x1, x2, gamma, smooth_scale1=None, smooth_scale2=None, beta=None, eps=1e-6,
+                               dst_type="int8"):
+    x_out = x1 + x2
+    n = _normalise_for_quant(x_out, gamma, beta, eps)
+    D = x_out.shape[-1]
+    b1 = n if smooth_scale1 is None else n * smooth_scale1.reshape(D).to(torch.float32)
+    y1, s1 = quantize_rows(b1, dst_type)
+    if smooth_scale2 is None:
+        return y1, None, x_out, s1, None
+    y2, s2 = quantize_rows(n * smooth_scale2.reshape(D).to(torch.float32), dst_type)
+    return y1, y2, x_out, s1, s2
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Pack int4 values (one per int8, in [-8, 7]) two per byte, low nibble first, along the last dim."""
+    if q.dtype != torch.int8:
+        raise TypeError(f"pack_int4: q must be torch.int8, got {q.dtype}")
+    if q.shape[-1] % 2:
+        raise ValueError(f"pack_int4: q's last dim must be even, got shape {tuple(q.shape)}")
+    if q.numel() and (int(q.min()) < -8 or int(q.max()) > 7):
+        raise ValueError(f"pack_int4: values must lie in [-8, 7], got [{int(q.min())}, {int(q.max())}]")
+    u = q.to(torch.uint8) & 0x0F
+    return (u[..., 0::2] | (u[..., 1::2] << 4)).to(torch.int8)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4: [..., D/2] bytes -> [..., D] int8 values in [-8, 7]."""
+    if packed.dtype != torch.int8:
+        raise TypeError(f"unpack_int4: packed must be torch.int8, got {packed.dtype}")
+    u = packed.to(torch.uint8)
+    lo = (u & 0x0F).to(torch.int8)
+    hi = ((u >> 4) & 0x0F).to(torch.int8)
+    lo = torch.where(lo > 7, lo - 16, lo)
+    hi = torch.where(hi > 7, hi - 16, hi)
+    return torch.stack((lo, hi), dim=-1).flatten(-2)

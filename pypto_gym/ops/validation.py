@@ -1,0 +1,100 @@
+"""Input checks of SPEC 2.5, done once before dispatch so every backend sees the same contract.
+
+Every refusal names the argument, what was seen and what was expected.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CAST_MODES = ("hf", "fp32")
+DST_TYPES = ("int8", "int4")
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _check_x(name: str, x) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: dtype {_name(x.dtype)} not supported; expected float16, bfloat16 or float32")
+    if x.dim() == 0:
+        raise ValueError(f"{name}: rank-0 tensor (shape ()); expected shape [..., D] with rank >= 1")
+    if x.shape[-1] == 0:
+        raise ValueError(f"{name}: last dim D is 0 (shape {tuple(x.shape)}); expected D >= 1")
+    return x.shape[-1]
+
+
+def _check_vector(name: str, t, D: int, x: torch.Tensor, same_dtype: bool) -> None:
+    """A per-channel parameter: shape [D] (singleton dims allowed, e.g. (1, D, 1, 1)), on x's device."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
+    if same_dtype and t.dtype != x.dtype:
+        raise TypeError(f"{name}: dtype {_name(t.dtype)} must match x's dtype {_name(x.dtype)}")
+    if not same_dtype and not t.is_floating_point():
+        raise TypeError(f"{name}: dtype {_name(t.dtype)} not supported; expected a floating dtype")
+    non_singleton = [s for s in t.shape if s != 1]
+    if t.numel() != D or len(non_singleton) > 1:
+        raise ValueError(f"{name}: shape {tuple(t.shape)} does not match x's last dim; expected ({D},)")
+    if t.device != x.device:
+        raise ValueError(f"{name}: on device {t.device}, expected x's device {x.device}")
+
+
+def _check_eps(eps, strictly_positive: bool) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps: expected a float, got {type(eps).__name__}")
+    if math.isnan(eps) or eps < 0 or (strictly_positive and eps == 0):
+        expected = "eps > 0" if strictly_positive else "eps >= 0"
+        raise ValueError(f"eps: got {eps}; expected {expected}")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: got {value!r}; expected one of {', '.join(map(repr, choices))}")
+
+
+def _check_pair(x1: torch.Tensor, x2) -> None:
+    _check_x("x2", x2)
+    if x2.shape != x1.shape:
+        raise ValueError(f"x2: shape {tuple(x2.shape)} does not match x1; expected {tuple(x1.shape)}")
+    if x2.dtype != x1.dtype:
+        raise TypeError(f"x2: dtype {_name(x2.dtype)} must match x1's dtype {_name(x1.dtype)}")
+    if x2.device != x1.device:
+        raise ValueError(f"x2: on device {x2.device}, expected x1's device {x1.device}")
+
+
+def check_rms_norm(x, gamma, eps, cast_mode) -> None:
+    D = _check_x("x", x)
+    _check_vector("gamma", gamma, D, x, same_dtype=False)
+    _check_eps(eps, strictly_positive=False)
+    _check_choice("cast_mode", cast_mode, CAST_MODES)
+
+
+def check_add_rms_norm(x1, x2, gamma, eps, cast_mode) -> None:
+    D = _check_x("x1", x1)
+    _check_pair(x1, x2)
+    _check_vector("gamma", gamma, D, x1, same_dtype=False)
+    _check_eps(eps, strictly_positive=False)
+    _check_choice("cast_mode", cast_mode, CAST_MODES)
+
+
+def check_quant(x, gamma, smooth_scale1, smooth_scale2, beta, eps, dst_type, x2=None, x_name="x",
+                smooth_names=("smooth_scale1", "smooth_scale2")) -> None:
+    D = _check_x(x_name, x)
+    if x2 is not None:
+        _check_pair(x, x2)
+    if gamma is None:
+        raise ValueError("gamma: got None; the quant ops need a weight of shape (D,)")
+    for name, t in (("gamma", gamma), (smooth_names[0], smooth_scale1), (smooth_names[1], smooth_scale2),
+                    ("beta", beta)):
+        _check_vector(name, t, D, x, same_dtype=True)
+    if smooth_scale2 is not None and smooth_scale1 is None:
+        raise ValueError("smooth_scale2: given without smooth_scale1; expected smooth_scale1 too (or neither)")
+    _check_eps(eps, strictly_positive=True)
+    _check_choice("dst_type", dst_type, DST_TYPES)
