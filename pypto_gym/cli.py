@@ -21,6 +21,34 @@ def _add_model_args(ap):
                     help="model dtype (default: the checkpoint's)")
 
 
+def _add_patch_args(ap):
+    ap.add_argument("--use_pto", "--use-pto", dest="use_pto", action="store_true", default=None,
+                    help="patch every RMSNorm with the fused kernels (default: $USE_PTO_RMS_NORM, else off)")
+    ap.add_argument("--backend", default=None, help="auto|torch|cpu|npu|pypto (default: $PYPTO_GYM_BACKEND or auto)")
+    ap.add_argument("--sites", default=None, help="globs over site kinds or paths, e.g. 'text.*,vision.merger.ln_q' "
+                                                  "(default: $PYPTO_GYM_SITES or all)")
+    ap.add_argument("--no-fuse-residual", dest="fuse_residual", action="store_false", default=None,
+                    help="patch norms only, no fused residual add (default: $PYPTO_GYM_FUSE_RESIDUAL or on)")
+
+
+def patch_options(args) -> dict | None:
+    """The patch settings from flags, else the environment (SPEC 6); None when patching is off."""
+    from .patching.switch import env_flag, set_enabled
+
+    use = args.use_pto if args.use_pto is not None else env_flag("USE_PTO_RMS_NORM", False)
+    if not use:
+        return None
+    set_enabled(True)
+    from .ops import registry
+
+    backend = args.backend or registry.default_backend()
+    if backend not in registry.backend_names():
+        raise UserError(f"--backend: got {backend!r}; expected one of {', '.join(registry.backend_names())}")
+    fuse = args.fuse_residual if args.fuse_residual is not None else env_flag("PYPTO_GYM_FUSE_RESIDUAL", True)
+    return {"backend": backend, "sites": args.sites or os.environ.get("PYPTO_GYM_SITES") or None,
+            "fuse_residual": fuse}
+
+
 def _load(args):
     from .inference import resolve_device
     from .models.qwen2_5_vl import TINY_DIR, load_model_and_processor
@@ -37,11 +65,20 @@ def cmd_infer(args) -> int:
 
     image = open_image(args.image or SAMPLE_IMAGE)
     model, processor, device, load_s = _load(args)
+    options = patch_options(args)
+    report = None
+    if options is not None:
+        from .patching import patch_model
+
+        report = patch_model(model, **options)
     texts, n_new, prefill_s, tps = generate(model, processor, [args.prompt], [image], args.max_new_tokens)
     result = InferenceResult(text=texts, new_tokens=n_new, load_s=load_s, prefill_s=prefill_s,
                              decode_tokens_per_s=tps, peak_memory_mb=peak_memory_mb(device),
-                             device=device, dtype=str(model.dtype).replace("torch.", ""))
+                             device=device, dtype=str(model.dtype).replace("torch.", ""),
+                             extra={"use_pto": report is not None,
+                                    "patch_report": report.to_json() if report is not None else None})
     print(f"generated: {texts[0]!r}")
+    print(report if report is not None else "RMSNorm patching: off (pass --use_pto or set USE_PTO_RMS_NORM=1)")
     print(f"load {load_s:.2f} s | prefill {prefill_s * 1e3:.1f} ms | decode {tps:.1f} tokens/s | "
           f"peak memory {result.peak_memory_mb:.0f} MB | {device} {result.dtype}")
     if args.report_file:
@@ -57,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("infer", help="generate with a Qwen2.5-VL-family model and time it")
     _add_model_args(p)
+    _add_patch_args(p)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--report-file", help="write timings (and the patch report) as JSON")
     p.set_defaults(func=cmd_infer)

@@ -39,6 +39,7 @@ def _prepare(op, backend, stats, x, **args):
         for s in (GLOBAL_STATS, stats):
             if s is not None:
                 s.calls += 1
+                s.backend = chosen.name
                 if reason:
                     s.fallbacks[reason] += 1
     return chosen

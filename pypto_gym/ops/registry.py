@@ -38,17 +38,19 @@ class Backend:
 
 
 class Stats:
-    """Live call and fallback counters (reason -> count)."""
+    """Live call and fallback counters (reason -> count), and the backend the last call resolved to."""
 
-    __slots__ = ("calls", "fallbacks")
+    __slots__ = ("calls", "fallbacks", "backend")
 
     def __init__(self):
         self.calls = 0
         self.fallbacks = Counter()
+        self.backend = None
 
     def reset(self):
         self.calls = 0
         self.fallbacks.clear()
+        self.backend = None
 
 
 BACKENDS: dict[str, Backend] = {}
