@@ -6,16 +6,23 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 class UserError(Exception):
     """A problem with what the user passed: printed as one line, no traceback."""
 
 
-def _add_model_args(ap):
+def _add_model_args(ap, many: bool = False):
+    """Model and input flags; with many, --image/--prompt may repeat (capture runs every pair)."""
     ap.add_argument("--model", help="checkpoint directory (default: the embedded tiny Qwen2.5-VL)")
-    ap.add_argument("--image", help="image file (default: the sample image shipped in modeling/)")
-    ap.add_argument("--prompt", default="Read the text in the image.")
+    if many:
+        ap.add_argument("--image", action="append", help="image file, repeatable (default: the sample line "
+                                                         "and the document page shipped in modeling/)")
+        ap.add_argument("--prompt", action="append", help="prompt, repeatable")
+    else:
+        ap.add_argument("--image", help="image file (default: the sample image shipped in modeling/)")
+        ap.add_argument("--prompt", default="Read the text in the image.")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "npu", "cuda"])
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                     help="model dtype (default: the checkpoint's)")
@@ -88,6 +95,68 @@ def cmd_infer(args) -> int:
     return 0
 
 
+def _load_for_capture(args):
+    """The embedded/local checkpoint, or a random-weight model from --config (GutenOCR-3B dims)."""
+    from .inference import resolve_device
+    from .models.qwen2_5_vl import TINY_DIR, Processor, build_random_model, load_model_and_processor
+
+    device = resolve_device(args.device)
+    if args.config:
+        processor = Processor(TINY_DIR)
+        print(f"building a random-weight model from {args.config} "
+              f"(text layers={args.num_layers or 'all'}, vision depth={args.vision_depth or 'all'})", flush=True)
+        model = build_random_model(args.config, args.num_layers, args.vision_depth, args.dtype or "bfloat16",
+                                   token_ids=processor.token_ids())
+        return model.to(device), processor
+    model, processor = load_model_and_processor(args.model or TINY_DIR, args.dtype or "auto", device)
+    return model, processor
+
+
+def cmd_capture(args) -> int:
+    from .capture import ShapeRecorder
+    from .inference import generate, open_image
+    from .models.qwen2_5_vl import DOCUMENT_IMAGE, SAMPLE_IMAGE
+
+    if args.model and args.config:
+        raise UserError("--model and --config: give one (a checkpoint, or a config for random weights)")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size: got {args.batch_size}; expected >= 1")
+    image_paths = args.image or [str(SAMPLE_IMAGE), str(DOCUMENT_IMAGE)]
+    images = [open_image(p) for p in image_paths]
+    prompts = args.prompt or ["Read the text in the image."]
+    model, processor = _load_for_capture(args)
+    options = patch_options(args)
+    if options is not None:
+        from .patching import patch_model
+
+        patch_model(model, **options)
+    requests = [(p, im, path) for p in prompts for im, path in zip(images, image_paths)]
+    batches = [requests[i:i + args.batch_size] for i in range(0, len(requests), args.batch_size)]
+    with ShapeRecorder(model) as rec:
+        for i, batch in enumerate(batches, 1):
+            desc = ", ".join(f"{Path(path).name} {im.size[0]}x{im.size[1]}" for _, im, path in batch)
+            print(f"[{i}/{len(batches)}] generate {args.max_new_tokens} tokens: {desc}", flush=True)
+            generate(model, processor, [p for p, _, _ in batch], [im for _, im, _ in batch], args.max_new_tokens)
+    info = rec.save(args.out, model_name=args.model_name, merge=not args.no_merge)
+    print(f"{info['cases']} cases in {info['path']} ({info['added']} new)")
+    return 0
+
+
+def cmd_cases_run(args) -> int:
+    from .capture.runner import format_table, run_file
+
+    def progress(i, n, row):
+        if args.progress:
+            print(f"[{i}/{n}] {row['id']} {'PASS' if row['passed'] else 'FAIL'}", file=sys.stderr, flush=True)
+
+    rows = run_file(args.file, args.backend, args.repeat, progress)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0 if all(r["passed"] for r in rows) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pypto-gym", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -98,6 +167,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--report-file", help="write timings (and the patch report) as JSON")
     p.set_defaults(func=cmd_infer)
+
+    p = sub.add_parser("capture", help="record the shapes every RMSNorm sees during generate into JSON cases")
+    _add_model_args(p, many=True)
+    _add_patch_args(p)
+    p.add_argument("--config", help="build random weights from this config (e.g. modeling/gutenocr_3b/config.json)")
+    p.add_argument("--num-layers", type=int, help="with --config: text layers to keep")
+    p.add_argument("--vision-depth", type=int, help="with --config: vision blocks to keep")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=4)
+    p.add_argument("--model-name", help="the 'model' field of the JSON file")
+    p.add_argument("--out", required=True, help="case file to write (merged into if it exists)")
+    p.add_argument("--no-merge", action="store_true", help="overwrite --out instead of adding new cases")
+    p.set_defaults(func=cmd_capture)
+
+    p = sub.add_parser("cases", help="test cases: run a case file against a backend")
+    cases_sub = p.add_subparsers(dest="cases_command", required=True)
+    r = cases_sub.add_parser("run", help="run every case against the golden; exit 1 on any failure")
+    r.add_argument("file")
+    r.add_argument("--backend", default="auto")
+    r.add_argument("--repeat", type=int, default=5, help="timed calls per case (median reported)")
+    r.add_argument("--json", help="write the rows as JSON")
+    r.add_argument("--progress", action="store_true", help="print a line per case on stderr")
+    r.set_defaults(func=cmd_cases_run)
     return ap
 
 
@@ -106,7 +198,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UserError, FileNotFoundError, ValueError, TypeError) as e:
+    except (UserError, FileNotFoundError, ValueError, TypeError, RuntimeError) as e:
         if os.environ.get("PYPTO_GYM_DEBUG"):
             raise
         print(f"pypto-gym {args.command}: error: {e}", file=sys.stderr)

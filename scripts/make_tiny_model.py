@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 from pypto_gym.models.qwen2_5_vl import (  # noqa: E402
     SPECIAL_TOKENS,
     CHAT_TEMPLATE,
+    DOCUMENT_IMAGE,
     TINY_DIR,
     tiny_config_dict,
 )
@@ -57,6 +58,18 @@ def render_sample_image(path: Path) -> None:
 
     img = Image.new("RGB", (224, 56), "white")
     ImageDraw.Draw(img).text((8, 20), "pypto-gym RMSNorm 2048", fill="black")
+    img.save(path, optimize=False)
+
+
+def render_document_image(path: Path, corpus: Path) -> None:
+    """A page-sized scan (728x1008, 936 merged vision tokens): the prefill shapes of real OCR."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (728, 1008), "white")
+    draw = ImageDraw.Draw(img)
+    lines = [l for l in corpus.read_text().splitlines() if l.strip()]
+    for i in range(60):
+        draw.text((24, 24 + 16 * i), lines[i % len(lines)][:110], fill="black")
     img.save(path, optimize=False)
 
 
@@ -110,9 +123,10 @@ def main(argv=None) -> int:
         "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
         "rescale_factor": 1 / 255, "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711], "patch_size": 14, "temporal_patch_size": 2,
-        "merge_size": 2, "min_pixels": 56 * 56, "max_pixels": 448 * 448, "resample": 3,
+        "merge_size": 2, "min_pixels": 56 * 56, "max_pixels": 1280 * 28 * 28, "resample": 3,
     }, indent=2) + "\n")
     render_sample_image(out / "sample.png")
+    render_document_image(DOCUMENT_IMAGE, TINY_DIR / "corpus.txt")
     print(f"wrote {out}")
     return 0
 

@@ -16,6 +16,7 @@ MODELING_DIR = REPO_ROOT / "modeling"
 TINY_DIR = MODELING_DIR / "tiny_qwen2_5_vl"
 GUTENOCR_CONFIG = MODELING_DIR / "gutenocr_3b" / "config.json"
 SAMPLE_IMAGE = TINY_DIR / "sample.png"
+DOCUMENT_IMAGE = MODELING_DIR / "gutenocr_3b" / "document.png"
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -67,11 +68,14 @@ def tiny_config_dict(vocab_size: int, token_ids: dict) -> dict:
 
 
 def build_random_model(config_path=GUTENOCR_CONFIG, num_layers: int | None = None,
-                       vision_depth: int | None = None, dtype="bfloat16", seed: int = 0):
+                       vision_depth: int | None = None, dtype="bfloat16", seed: int = 0,
+                       token_ids: dict | None = None):
     """A model at a real architecture's dimensions with random weights (no download).
 
     ``num_layers``/``vision_depth`` reduce the depth (shapes per layer stay the real ones), so
-    shape capture and benchmarks run at GutenOCR-3B's D=2048 / 1280 on a laptop.
+    shape capture and benchmarks run at GutenOCR-3B's D=2048 / 1280 on a laptop. ``token_ids``
+    (from `Processor.token_ids()`) re-points the special-token ids at the tokenizer in use, so the
+    embedded tokenizer can drive a model with GutenOCR-3B's vocabulary.
     """
     import torch
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
@@ -89,6 +93,7 @@ def build_random_model(config_path=GUTENOCR_CONFIG, num_layers: int | None = Non
         vc["depth"] = vision_depth
         vc["fullatt_block_indexes"] = [i for i in vc.get("fullatt_block_indexes", []) if i < vision_depth] \
             or [vision_depth - 1]
+    raw.update(token_ids or {})
     config = AutoConfig.for_model(**raw)
     torch.manual_seed(seed)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -133,6 +138,14 @@ class Processor:
         self.image_processor = AutoImageProcessor.from_pretrained(path)
         self.image_token = "<|image_pad|>"
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
+
+    def token_ids(self) -> dict:
+        """Special-token ids of this tokenizer under the config keys Qwen2.5-VL uses."""
+        ids = {t: self.tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+        return {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+                "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+                "vision_token_id": ids["<|vision_pad|>"], "eos_token_id": ids["<|im_end|>"],
+                "bos_token_id": ids["<|endoftext|>"], "pad_token_id": ids["<|endoftext|>"]}
 
     def chat_text(self, prompt: str, with_image: bool = True) -> str:
         content = ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": prompt}]

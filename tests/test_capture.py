@@ -1,0 +1,157 @@
+"""Shape capture and the test-case pipeline (SPEC 4)."""
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pypto_gym
+from pypto_gym.capture import CaseError, ShapeRecorder, load_cases
+from pypto_gym.capture.runner import format_table, run_case, run_file
+from pypto_gym.ops import registry
+
+ROOT = Path(__file__).resolve().parent.parent
+CASE_FILES = sorted((ROOT / "tests" / "cases").glob("*.json"))
+
+
+def capture(model, inputs, new_tokens=3):
+    with ShapeRecorder(model) as rec:
+        with torch.inference_mode():
+            model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+    return rec
+
+
+def test_captured_shapes_match_the_model(tiny_loaded, sample_inputs):
+    model, _ = tiny_loaded
+    rec = capture(model, sample_inputs)
+    cases = rec.cases()
+    H = model.config.text_config.hidden_size
+    Hv = model.config.vision_config.hidden_size
+    S = sample_inputs["input_ids"].shape[1]
+    T = int(sample_inputs["image_grid_thw"].prod())
+    shapes = {(c["op"], c["phase"], tuple(c["input"].get("hidden_states", c["input"].get("x1"))["shape"]))
+              for c in cases}
+    assert ("rms_norm", "prefill", (1, S, H)) in shapes
+    assert ("rms_norm", "decode", (1, 1, H)) in shapes
+    assert ("rms_norm", "prefill", (T, Hv)) in shapes
+    assert ("add_rms_norm", "prefill", (1, S, H)) in shapes and ("add_rms_norm", "decode", (1, 1, H)) in shapes
+    decode = next(c for c in cases if c["op"] == "rms_norm" and c["phase"] == "decode")
+    n_text_norms = 2 * model.config.text_config.num_hidden_layers + 1
+    assert decode["count"] == 2 * n_text_norms  # 3 new tokens: 1 prefill + 2 decode steps
+    assert set(decode["sites"]) == {"text.input_layernorm", "text.post_attention_layernorm", "text.norm"}
+    assert decode["input"]["weight"] == {"shape": [H], "dtype": "bfloat16"}
+    assert decode["rtol"] == decode["atol"] == 2 ** -7
+
+
+def test_patched_model_captures_the_same_cases(tiny_loaded, sample_inputs):
+    model, _ = tiny_loaded
+    plain = capture(model, sample_inputs).cases()
+    patched_model = copy.deepcopy(model)
+    pypto_gym.patch_model(patched_model, backend="cpu")
+    assert capture(patched_model, sample_inputs).cases() == plain
+
+
+def test_recapture_is_byte_identical_and_merge_adds_only_new(tiny_loaded, sample_inputs, tmp_path):
+    model, processor = tiny_loaded
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    capture(model, sample_inputs).save(a, model_name="tiny")
+    capture(model, sample_inputs).save(b, model_name="tiny")
+    assert a.read_bytes() == b.read_bytes()
+    before = json.loads(a.read_text())["test_cases"]
+    info = capture(model, sample_inputs).save(a)
+    assert info["added"] == 0 and a.read_bytes() == b.read_bytes()
+    text_only = processor(["Hello world, a longer prompt without an image at all."], None, model=model)
+    info = capture(model, text_only).save(a)
+    after = json.loads(a.read_text())["test_cases"]
+    assert info["added"] > 0 and after[:len(before)] == before
+    assert len({c["id"] for c in after}) == len(after)
+
+
+def _hook_count(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_hooks_are_removed_on_exit_and_on_exception(tiny_loaded, sample_inputs):
+    model, _ = tiny_loaded
+    before = _hook_count(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        with ShapeRecorder(model):
+            assert _hook_count(model) > before
+            raise RuntimeError("boom")
+    assert _hook_count(model) == before
+    bad = dict(sample_inputs, pixel_values=sample_inputs["pixel_values"][:, :10])  # generate raises inside
+    with pytest.raises(Exception):
+        with ShapeRecorder(model):
+            model.generate(**bad, max_new_tokens=2)
+    assert _hook_count(model) == before
+
+
+def _write(tmp_path, mutate):
+    doc = json.loads(CASE_FILES[0].read_text())
+    mutate(doc["test_cases"][0])
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(doc))
+    return p, doc["test_cases"][0].get("id")
+
+
+@pytest.mark.parametrize("mutate,field,message", [
+    (lambda c: c["input"]["hidden_states"].update(dtype="bfloat32"), "input.hidden_states.dtype", "unknown dtype"),
+    (lambda c: c.pop("seed"), "seed", "missing"),
+    (lambda c: c["input"].pop("hidden_states"), "input.hidden_states", "missing"),
+    (lambda c: c["input"]["weight"].update(shape=[7]), "input.weight.shape", r"got \[7\]; expected \[2048\]"),
+    (lambda c: c.update(op="layer_norm"), "op", "unknown op"),
+])
+def test_malformed_case_file_is_refused_with_id_and_field(tmp_path, mutate, field, message):
+    path, cid = _write(tmp_path, mutate)
+    with pytest.raises(CaseError, match=f"case '{cid}': field '{field}': {message}"):
+        load_cases(path)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_cases.py"), str(path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"field '{field}'" in proc.stderr and cid in proc.stderr
+
+
+class _WrongBackend(registry.Backend):
+    name = "wrong"
+    devices = ("cpu",)
+
+    def rms_norm(self, x, gamma, eps, cast_mode):
+        return registry.BACKENDS["torch"].rms_norm(x, gamma, eps, cast_mode) * 1.02
+
+    def add_rms_norm(self, x1, x2, gamma, eps, cast_mode):
+        y, x_out = registry.BACKENDS["torch"].add_rms_norm(x1, x2, gamma, eps, cast_mode)
+        return y * 1.02, x_out
+
+
+def test_runner_fails_when_a_backend_is_wrong():
+    registry.register(_WrongBackend())
+    try:
+        rows = run_file(CASE_FILES[0], "wrong", repeat=1)
+    finally:
+        del registry.BACKENDS["wrong"]
+    assert rows and not any(r["passed"] for r in rows)
+    assert "MERE" in rows[0]["reason"]
+    assert format_table(rows).splitlines()[-1] == f"0 passed, {len(rows)} failed"
+
+
+def test_committed_case_files_exist():
+    names = {p.name for p in CASE_FILES}
+    assert {"tiny_qwen2_5_vl.json", "gutenocr_3b.json"} <= names
+    guten = load_cases(ROOT / "tests" / "cases" / "gutenocr_3b.json")
+    dims = {c["inputs"].get("hidden_states", c["inputs"].get("x1"))[0][-1] for c in guten}
+    assert dims == {2048, 1280}
+    assert {c["phase"] for c in guten} == {"prefill", "decode"}
+
+
+CASES = [(p, c) for p in CASE_FILES for c in load_cases(p)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("path,case", CASES, ids=[f"{p.stem}:{c['id']}" for p, c in CASES])
+def test_captured_case(path, case, backend):
+    row = run_case(case, backend, repeat=0)
+    assert row["passed"], row["reason"]
+    assert row["backend"] == backend and not row["fallbacks"]
