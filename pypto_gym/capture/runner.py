@@ -6,7 +6,7 @@ import time
 import torch
 
 from .. import ops
-from ..ops import reference
+from ..ops import reference, registry
 from ..precision import compare_outputs
 from .cases import OP_SCHEMA, build_inputs, call_args, load_cases
 
@@ -30,6 +30,7 @@ def run_case(case: dict, backend: str, repeat: int = 3) -> dict:
     fn = getattr(ops, op)
     with torch.inference_mode():
         actual = fn(*args, **kwargs, backend=backend, stats=stats)
+        est_us = getattr(registry.BACKENDS.get(stats.backend), "last_estimated_us", None)
         golden = getattr(reference, op)(*args, **kwargs)
         us = _median_call_us(lambda: fn(*args, **kwargs, backend=backend), repeat) if repeat else float("nan")
     names = OP_SCHEMA[op][2]
@@ -44,7 +45,7 @@ def run_case(case: dict, backend: str, repeat: int = 3) -> dict:
     return {"id": case["id"], "op": op, "description": case["description"], "backend": stats.backend,
             "fallbacks": dict(stats.fallbacks), "max_abs": max(c.max_abs for c in comps),
             "cosine": min(c.cosine for c in comps), "mere": max(c.mere for c in comps),
-            "mare": max(c.mare for c in comps), "us_per_call": us, "passed": not problems,
+            "mare": max(c.mare for c in comps), "us_per_call": us, "est_npu_us": est_us, "passed": not problems,
             "reason": "; ".join(problems)}
 
 
@@ -59,15 +60,18 @@ def run_file(path, backend: str = "auto", repeat: int = 3, progress=None) -> lis
 
 
 def format_table(rows: list[dict]) -> str:
+    est = any(r.get("est_npu_us") is not None for r in rows)
     header = (f"{'id':<22} {'description':<58} {'ran on':<7} {'max abs':>9} {'cosine':>9} {'MERE':>9} "
-              f"{'MARE':>9} {'us/call':>9}  result")
+              f"{'MARE':>9} {'us/call':>9}" + (f" {'est. NPU us':>11}" if est else "") + "  result")
     lines = [header, "-" * len(header)]
     for r in rows:
         result = "PASS" if r["passed"] else f"FAIL {r['reason']}"
         if r["fallbacks"]:
             result += f" (fallback: {', '.join(r['fallbacks'])})"
         lines.append(f"{r['id']:<22} {r['description'][:58]:<58} {r['backend'] or '':<7} {r['max_abs']:>9.3g} "
-                     f"{r['cosine']:>9.6f} {r['mere']:>9.2e} {r['mare']:>9.2e} {r['us_per_call']:>9.1f}  {result}")
+                     f"{r['cosine']:>9.6f} {r['mere']:>9.2e} {r['mare']:>9.2e} {r['us_per_call']:>9.1f}"
+                     + (f" {r['est_npu_us']:>11.2f}" if est and r.get("est_npu_us") is not None else
+                        f" {'':>11}" if est else "") + f"  {result}")
     n_fail = sum(not r["passed"] for r in rows)
     lines.append(f"{len(rows) - n_fail} passed, {n_fail} failed")
     return "\n".join(lines)

@@ -11,7 +11,8 @@ import torch
 
 from . import library, validation
 from . import registry
-from .backends import cpu as _cpu  # noqa: F401  (registers the backend)
+from .backends import cpu as _cpu  # noqa: F401  (each import registers its backend)
+from .backends import pypto_backend as _pypto  # noqa: F401
 from .backends import torch_backend as _torch  # noqa: F401
 from .reference import pack_int4, unpack_int4
 from .registry import GLOBAL_STATS, Stats, backend_names

@@ -1,0 +1,185 @@
+"""Every adaptation of PyPTO internals, in one place, for the one version it was written against.
+
+PyPTO 0.2.0 can compile and cost kernels on a machine without an NPU (RunMode.SIM), and with
+pass-verify on, its libtorch-based CPU "calculator" executes the tensor graph and writes real
+results into the output tensors. Two things stand in the way on a CPU-only machine, and this
+module adapts exactly those, after checking the installed version:
+
+1. `JitCallableWrapper._setup_verify_data` hands the verifier copies of the inputs made with
+   `pypto_impl.CopyToHost`, which does nothing without CANN, so the kernel would see zeros. On
+   CPU tensors the tensors already are host memory: pass their own pointers to `SetVerifyData`.
+2. `BuildOnlineManager.build_and_load_calculator` rebuilds the calculator library with cmake and
+   g++ in every process (~45 s on two cores). Build it once into the pypto-gym cache, keyed by
+   the PyPTO and torch versions, and load it with RTLD_GLOBAL as PyPTO does.
+
+A kernel that fails to compile leaves PyPTO 0.2.0's global state broken for the rest of the
+process (first "function nested is not allowed", and after resetting that flag "tile shape not
+set" and a hang), so the backend never lets a bad shape reach the compiler and, if a compile
+still fails, stops using PyPTO in that process (every later call falls back, counted).
+
+It also points PyPTO's output and log directories into a scratch folder (they would otherwise
+land in the current directory) and reads SIM's cost-model swimlane for the estimated AICore time.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+SUPPORTED_VERSION = "0.2.0"
+AICORE_MHZ = 1800  # SIM models an Ascend 910B2; its swimlane is in cycles at 1.8 GHz
+_applied = False
+
+
+class PyptoVersionError(RuntimeError):
+    pass
+
+
+def installed_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("pypto")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_version() -> str:
+    """Refuse loudly if the PyPTO under us is not the one these adaptations were written for."""
+    version = installed_version()
+    if version is None:
+        raise PyptoVersionError("pypto is not installed (pip install 'pypto-gym[pypto]')")
+    if version != SUPPORTED_VERSION:
+        raise PyptoVersionError(f"pypto {version} installed; pypto_gym's adaptations are for {SUPPORTED_VERSION} "
+                                f"(see pypto_gym/ops/backends/pypto_compat.py)")
+    from pypto import _utils
+    from pypto.frontend.parser import entry
+
+    for owner, name in ((entry.JitCallableWrapper, "_setup_verify_data"),
+                        (_utils.BuildOnlineManager, "build_and_load_calculator")):
+        if not callable(getattr(owner, name, None)):
+            raise PyptoVersionError(f"pypto {version}: {owner.__name__}.{name} is missing; adaptation out of date")
+    return version
+
+
+def cache_dir() -> Path:
+    from .cpu import cache_dir as base
+
+    return base() / f"pypto-{installed_version()}"
+
+
+def scratch_dir() -> Path:
+    """Where PyPTO writes its per-run output (kernels, swimlanes, logs); cleaned after each call."""
+    path = cache_dir() / "runs" / str(os.getpid())
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _setup_verify_data_cpu(pto_tensors) -> None:
+    import pypto
+    from pypto import pypto_impl
+    from pypto.runtime import _pto_to_tensor_data, _pto_verify_datas
+
+    if not pypto.get_verify_options().get("enable_pass_verify"):
+        return
+    _load_calculator()
+    pypto_impl.SetVerifyData(_pto_to_tensor_data(pto_tensors), [], _pto_verify_datas.get_data())
+
+
+def _calculator_library() -> Path:
+    import torch
+
+    return cache_dir() / f"calculator-torch{torch.__version__}" / "install" / "lib" / "libtile_fwk_calculator.so"
+
+
+def build_calculator(progress=True) -> Path:
+    """Build PyPTO's calculator library once per machine (cmake + g++), cached by version."""
+    from pypto._utils import BuildOnlineManager
+
+    lib = _calculator_library()
+    if lib.exists():
+        return lib
+    if progress:
+        print("pypto-gym: building PyPTO's CPU calculator (once per machine, ~1 min)...", file=sys.stderr, flush=True)
+    mgr = BuildOnlineManager()
+    torch_ctx = mgr._TorchContext()
+    cmake_ctx = mgr._CMakeContext()
+    staging = Path(tempfile.mkdtemp(prefix="calc-", dir=cache_dir()))
+    ctx = mgr._CMakeContext.CompileContext(src_dir=Path(mgr.pkg_lib_dir, "calculator"), tmp_dir=staging)
+    ctx.cfg_cmd_ext = (f"-DPY3_MOD_TORCH_VERSION={torch_ctx.torch_version} "
+                       f"-DPY3_MOD_TORCH_ROOT_PATH={torch_ctx.torch_root_dir} "
+                       f"-DPY3_MOD_TORCH_C_GLIBCXX_USE_CXX11_ABI={torch_ctx.torch_c_use_cxx11_abi}")
+    ctx.build_job_num = os.cpu_count() or 2
+    install = cmake_ctx.compile(ctx=ctx)
+    shutil.rmtree(staging / "build", ignore_errors=True)
+    final = lib.parents[2]
+    if final.exists():
+        shutil.rmtree(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging.rename(final)
+    assert Path(final, "install") == lib.parents[1] and install.name == "install"
+    return lib
+
+
+def _load_calculator() -> None:
+    from pypto._utils import BuildOnlineManager
+
+    mgr = BuildOnlineManager()
+    if not mgr.calculator_loaded:
+        ctypes.CDLL(str(build_calculator()), mode=ctypes.RTLD_GLOBAL)
+        mgr.calculator_loaded = True
+
+
+def apply() -> None:
+    """Check the version, redirect PyPTO's output directories, install the two adaptations."""
+    global _applied
+    if _applied:
+        return
+    check_version()
+    scratch = scratch_dir()
+    for var in ("TILE_FWK_OUTPUT_DIR", "PYPTO_HOME", "ASCEND_PROCESS_LOG_PATH"):
+        os.environ.setdefault(var, str(scratch))
+    from pypto import _utils
+    from pypto.frontend.parser import entry
+
+    entry.JitCallableWrapper._setup_verify_data = staticmethod(_setup_verify_data_cpu)
+    _utils.BuildOnlineManager.build_and_load_calculator = lambda self: _load_calculator()
+    _applied = True
+
+
+@contextlib.contextmanager
+def quiet(log_path: Path):
+    """Send what PyPTO's C++ core and helper scripts print (swimlane summaries) to a log file."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log_path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def latest_run_dir(root: Path) -> Path | None:
+    runs = sorted(Path(root).rglob("_simulate.swim.json"), key=lambda p: p.stat().st_mtime)
+    return runs[-1].parent if runs else None
+
+
+def estimated_aicore_us(swim_json: Path) -> float:
+    """AICore end-to-end time of one SIM run: (last task end - first task start) / 1.8 GHz."""
+    cores = json.loads(Path(swim_json).read_text())
+    starts = [t["execStart"] for c in cores for t in c.get("tasks", [])]
+    ends = [t["execEnd"] for c in cores for t in c.get("tasks", [])]
+    return (max(ends) - min(starts)) / AICORE_MHZ if starts else 0.0
