@@ -95,6 +95,13 @@ def test_too_wide_rows_fall_back_with_reason():
     assert list(stats.fallbacks) == ["pypto: D=20000: one fp32 row does not fit the 192 KB unified buffer"]
 
 
+def test_unaligned_rows_fall_back_with_reason():
+    stats = ops.Stats()
+    x = torch.randn(3, 7)
+    assert torch.equal(ops.rms_norm(x, None, backend="pypto", stats=stats), reference.rms_norm(x))
+    assert list(stats.fallbacks) == ["pypto: D=7 is not a multiple of 8 (PyPTO needs 32-byte aligned fp32 rows)"]
+
+
 def test_empty_input_needs_no_kernel():
     y = ops.rms_norm(torch.randn(0, 64, dtype=torch.bfloat16), None, backend="pypto")
     assert y.shape == (0, 64)

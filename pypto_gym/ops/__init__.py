@@ -12,6 +12,7 @@ import torch
 from . import library, validation
 from . import registry
 from .backends import cpu as _cpu  # noqa: F401  (each import registers its backend)
+from .backends import npu as _npu  # noqa: F401
 from .backends import pypto_backend as _pypto  # noqa: F401
 from .backends import torch_backend as _torch  # noqa: F401
 from .reference import pack_int4, unpack_int4
@@ -49,7 +50,7 @@ def _prepare(op, backend, stats, x, **args):
 def rms_norm(x, gamma=None, eps=1e-6, *, cast_mode="hf", backend="auto", stats=None):
     """y = gamma * (x / rms(x)); `hf` casts before the weight (HF Qwen/Llama), `fp32` after (vLLM, aclnn)."""
     validation.check_rms_norm(x, gamma, eps, cast_mode)
-    b = _prepare("rms_norm", backend, stats, x, gamma=gamma)
+    b = _prepare("rms_norm", backend, stats, x, gamma=gamma, cast_mode=cast_mode)
     if _direct_ok(x, gamma):
         return registry.run("rms_norm", b, (x, gamma, float(eps), cast_mode), stats)
     return library.rms_norm_op(x, gamma, float(eps), cast_mode, b.name)
@@ -58,7 +59,7 @@ def rms_norm(x, gamma=None, eps=1e-6, *, cast_mode="hf", backend="auto", stats=N
 def add_rms_norm(x1, x2, gamma, eps=1e-6, *, cast_mode="hf", backend="auto", stats=None):
     """(rms_norm(x1 + x2), x1 + x2): the residual add fused into the norm; x_out is the next residual."""
     validation.check_add_rms_norm(x1, x2, gamma, eps, cast_mode)
-    b = _prepare("add_rms_norm", backend, stats, x1, gamma=gamma)
+    b = _prepare("add_rms_norm", backend, stats, x1, gamma=gamma, cast_mode=cast_mode)
     if _direct_ok(x1, x2, gamma):
         return registry.run("add_rms_norm", b, (x1, x2, gamma, float(eps), cast_mode), stats)
     return library.add_rms_norm_op(x1, x2, gamma, float(eps), cast_mode, b.name)
@@ -68,7 +69,7 @@ def rms_norm_dynamic_quant(x, gamma, smooth_scales=None, beta=None, eps=1e-6, *,
                            stats=None):
     """RMSNorm (+beta, *smooth) then per-row symmetric int8/int4 quantisation -> (y, scale)."""
     validation.check_quant(x, gamma, smooth_scales, None, beta, eps, dst_type, smooth_names=("smooth_scales", ""))
-    b = _prepare("rms_norm_dynamic_quant", backend, stats, x, gamma=gamma)
+    b = _prepare("rms_norm_dynamic_quant", backend, stats, x, gamma=gamma, dst_type=dst_type)
     args = (x, gamma, smooth_scales, beta, float(eps), dst_type)
     if _direct_ok(x, gamma, smooth_scales, beta):
         return registry.run("rms_norm_dynamic_quant", b, args, stats)
@@ -79,7 +80,7 @@ def add_rms_norm_dynamic_quant(x1, x2, gamma, smooth_scale1=None, smooth_scale2=
                                dst_type="int8", backend="auto", stats=None):
     """aclnnAddRmsNormDynamicQuant: -> (y1, y2, x_out, scale1, scale2); y2/scale2 None without smooth_scale2."""
     validation.check_quant(x1, gamma, smooth_scale1, smooth_scale2, beta, eps, dst_type, x2=x2, x_name="x1")
-    b = _prepare("add_rms_norm_dynamic_quant", backend, stats, x1, gamma=gamma)
+    b = _prepare("add_rms_norm_dynamic_quant", backend, stats, x1, gamma=gamma, dst_type=dst_type)
     args = (x1, x2, gamma, smooth_scale1, smooth_scale2, beta, float(eps), dst_type)
     if _direct_ok(x1, x2, gamma, smooth_scale1, smooth_scale2, beta):
         return registry.run("add_rms_norm_dynamic_quant", b, args, stats)

@@ -59,6 +59,8 @@ class PyptoBackend(Backend):
             return reason
         if x.device.type == "npu" and not hasattr(torch, "npu"):
             return "torch_npu not imported"
+        if x.shape[-1] % 8:
+            return f"D={x.shape[-1]} is not a multiple of 8 (PyPTO needs 32-byte aligned fp32 rows)"
         if tile_shape(x.shape[-1]) is None:
             return f"D={x.shape[-1]}: one fp32 row does not fit the {UB_BYTES // 1024} KB unified buffer"
         if gamma is not None and gamma.dtype not in FLOAT_DTYPES:
