@@ -157,6 +157,16 @@ def cmd_cases_run(args) -> int:
     return 0 if all(r["passed"] for r in rows) else 1
 
 
+def cmd_bench_ops(args) -> int:
+    from .bench import ops_bench
+
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in ops_bench.DTYPES]
+    if bad:
+        raise UserError(f"--dtypes: got {bad}; expected a comma list of {', '.join(ops_bench.DTYPES)}")
+    return ops_bench.run(dtypes, args.quick, args.rounds, args.json, args.png)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pypto-gym", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -190,6 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", help="write the rows as JSON")
     r.add_argument("--progress", action="store_true", help="print a line per case on stderr")
     r.set_defaults(func=cmd_cases_run)
+
+    p = sub.add_parser("bench", help="benchmarks: ops, cases, pypto, e2e (ratios, JSON, PNG)")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True)
+    b = bench_sub.add_parser("ops", help="each op vs HF eager, the torch reference and clone()")
+    b.add_argument("--dtypes", default="bfloat16", help="comma list of bfloat16,float16,float32")
+    b.add_argument("--quick", action="store_true", help="fewer shapes")
+    b.add_argument("--rounds", type=int, default=15, help="interleaved rounds per shape (median reported)")
+    b.add_argument("--json", default="bench/results/ops.json")
+    b.add_argument("--png", default="bench/results/ops.png")
+    b.set_defaults(func=cmd_bench_ops)
     return ap
 
 

@@ -1,0 +1,56 @@
+"""Timing helpers: interleaved medians, so variants measured side by side see the same machine noise."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+
+def interleaved_medians(fns: dict, rounds: int = 15, min_seconds: float = 0.002) -> dict:
+    """Median seconds per call of each fn, calling them round-robin (A B C A B C ...).
+
+    Each sample times enough back-to-back calls to last `min_seconds`, so microsecond calls are
+    not drowned in timer overhead.
+    """
+    inner = {}
+    for name, fn in fns.items():
+        fn()  # warm up (allocator, caches, lazy builds)
+        n, t0 = 1, time.perf_counter()
+        fn()
+        one = max(time.perf_counter() - t0, 1e-7)
+        inner[name] = max(1, int(min_seconds / one))
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            n = inner[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / n)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def write_json(path, data) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def goal_line(ok: bool, text: str) -> str:
+    return f"{'PASS' if ok else 'FAIL'}  {text}"
+
+
+def save_plot(path, draw) -> str:
+    """Draw with matplotlib into a PNG; returns a message (matplotlib is in the test extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib not installed (pip install -e '.[test]')"
+    fig = draw(plt)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return f"plot written to {path}"

@@ -1,0 +1,9 @@
+"""Benchmarks: `ops`, `cases FILE`, `pypto FILE`, `e2e`. Same as `pypto-gym bench ...`; see --help."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pypto_gym.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    raise SystemExit(main(["bench", *sys.argv[1:]]))
