@@ -167,6 +167,33 @@ def cmd_bench_ops(args) -> int:
     return ops_bench.run(dtypes, args.quick, args.rounds, args.json, args.png)
 
 
+def cmd_bench_e2e(args) -> int:
+    from .bench import e2e_bench
+
+    for name in ("num_layers", "vision_depth", "repeats", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; expected >= 1")
+    return e2e_bench.run(args.num_layers, args.vision_depth, args.repeats, args.max_new_tokens, args.image,
+                         args.quick, args.json, args.png)
+
+
+def cmd_bench_cases(args) -> int:
+    from .bench import cases_bench
+    from .ops import registry
+
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    bad = [b for b in backends if b not in registry.BACKENDS]
+    if bad or not backends:
+        raise UserError(f"--backends: got {args.backends!r}; expected a comma list of {', '.join(registry.BACKENDS)}")
+    return cases_bench.run_cases(args.file, backends, args.rounds, args.json)
+
+
+def cmd_bench_pypto(args) -> int:
+    from .bench import cases_bench
+
+    return cases_bench.run_pypto(args.file, args.json, args.png)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pypto-gym", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -207,9 +234,30 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtypes", default="bfloat16", help="comma list of bfloat16,float16,float32")
     b.add_argument("--quick", action="store_true", help="fewer shapes")
     b.add_argument("--rounds", type=int, default=15, help="interleaved rounds per shape (median reported)")
-    b.add_argument("--json", default="bench/results/ops.json")
-    b.add_argument("--png", default="bench/results/ops.png")
+    b.add_argument("--json", default="docs/results/ops.json")
+    b.add_argument("--png", default="docs/results/ops.png")
     b.set_defaults(func=cmd_bench_ops)
+    b = bench_sub.add_parser("e2e", help="end to end at GutenOCR-3B dims: unpatched vs patched variants")
+    b.add_argument("--num-layers", type=int, default=4)
+    b.add_argument("--vision-depth", type=int, default=4)
+    b.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median reported)")
+    b.add_argument("--max-new-tokens", type=int, default=16)
+    b.add_argument("--image", help="default: the document page in modeling/gutenocr_3b/")
+    b.add_argument("--quick", action="store_true", help="2 layers, 2 blocks, 2 rounds, 8 tokens (< 3 min)")
+    b.add_argument("--json", default="docs/results/e2e.json")
+    b.add_argument("--png", default="docs/results/e2e.png")
+    b.set_defaults(func=cmd_bench_e2e)
+    b = bench_sub.add_parser("cases", help="every captured case timed per backend (+ pypto's NPU estimate)")
+    b.add_argument("file")
+    b.add_argument("--backends", default="torch,cpu", help="comma list, e.g. torch,cpu,pypto")
+    b.add_argument("--rounds", type=int, default=9)
+    b.add_argument("--json", default=None)
+    b.set_defaults(func=cmd_bench_cases)
+    b = bench_sub.add_parser("pypto", help="PyPTO's estimated 910B time per case vs the HBM bound")
+    b.add_argument("file")
+    b.add_argument("--json", default="docs/results/pypto.json")
+    b.add_argument("--png", default="docs/results/pypto.png")
+    b.set_defaults(func=cmd_bench_pypto)
     return ap
 
 

@@ -1,0 +1,143 @@
+"""`bench e2e`: what the swap buys end to end, at GutenOCR-3B's dimensions with reduced depth.
+
+One random-weight bf16 model (no download) runs generate on a document-sized image; variants
+(unpatched, patched torch, patched cpu with and without residual fusion) are patched onto the
+same model in turn and measured round-robin (A B C D A B C D ...), so machine noise hits all of
+them alike. Per variant: patch time, vision-encoder time, prefill latency (vision included),
+decode tokens/s, and the process's peak RSS during the run (reset before each run on Linux).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..models.qwen2_5_vl import DOCUMENT_IMAGE, GUTENOCR_CONFIG, TINY_DIR, Processor, build_random_model
+from ..patching import patch_model, set_enabled, unpatch_model
+from .timing import goal_line, save_plot, write_json
+
+VARIANTS = {
+    "unpatched": None,
+    "patched torch": {"backend": "torch"},
+    "patched cpu": {"backend": "cpu"},
+    "patched cpu, no fusion": {"backend": "cpu", "fuse_residual": False},
+}
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mb() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class _VisionClock:
+    """Times the vision encoder through forward hooks on the model's vision tower."""
+
+    def __init__(self, model):
+        self.total = 0.0
+        tower = next(m for n, m in model.named_modules() if n.endswith("visual"))
+        self._handles = [tower.register_forward_pre_hook(self._start), tower.register_forward_hook(self._stop)]
+
+    def _start(self, *args):
+        self._t0 = time.perf_counter()
+
+    def _stop(self, *args):
+        self.total += time.perf_counter() - self._t0
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
+def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quick=False, json_path=None,
+        png_path=None) -> int:
+    from ..inference import generate, open_image
+
+    if quick:
+        num_layers, vision_depth, repeats, new_tokens = 2, 2, 2, 8
+    set_enabled(True)
+    img = open_image(image or DOCUMENT_IMAGE)
+    processor = Processor(TINY_DIR)
+    t0 = time.perf_counter()
+    model = build_random_model(GUTENOCR_CONFIG, num_layers, vision_depth, "bfloat16", token_ids=processor.token_ids())
+    load_s = time.perf_counter() - t0
+    print(f"GutenOCR-3B dims, {num_layers} text layers, {vision_depth} vision blocks, bf16, random weights: "
+          f"built in {load_s:.1f} s; image {img.size[0]}x{img.size[1]}; {new_tokens} new tokens; "
+          f"{repeats} interleaved rounds; {torch.get_num_threads()} threads", flush=True)
+    prompt = "Read the text in the image."
+    generate(model, processor, [prompt], [img], 2)  # warm-up: allocator, kernel build/load
+    samples = {name: [] for name in VARIANTS}
+    for r in range(repeats):
+        for name, opts in VARIANTS.items():
+            tp = time.perf_counter()
+            if opts:
+                patch_model(model, **opts)
+            patch_s = time.perf_counter() - tp
+            clock = _VisionClock(model)
+            _reset_peak_rss()
+            try:
+                _, n_new, prefill_s, tps = generate(model, processor, [prompt], [img], new_tokens)
+            finally:
+                clock.remove()
+                unpatch_model(model)
+            samples[name].append({"patch_s": patch_s, "vision_s": clock.total, "prefill_s": prefill_s,
+                                  "decode_tokens_per_s": tps, "peak_rss_mb": _peak_rss_mb(), "new_tokens": n_new})
+            print(f"  round {r + 1}/{repeats} {name:<24} prefill {prefill_s * 1e3:8.1f} ms  "
+                  f"decode {tps:6.2f} tok/s", flush=True)
+    med = {name: {k: statistics.median(s[k] for s in v) for k in v[0]} for name, v in samples.items()}
+    base = med["unpatched"]
+    header = (f"{'variant':<24} {'patch ms':>9} {'vision ms':>10} {'prefill ms':>11} {'vs unpatched':>13} "
+              f"{'decode tok/s':>13} {'vs unpatched':>13} {'peak RSS MB':>12}")
+    print("\n" + header + "\n" + "-" * len(header))
+    for name, m in med.items():
+        m["prefill_speedup"] = base["prefill_s"] / m["prefill_s"]
+        m["decode_speedup"] = m["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        print(f"{name:<24} {m['patch_s'] * 1e3:>9.1f} {m['vision_s'] * 1e3:>10.1f} {m['prefill_s'] * 1e3:>11.1f} "
+              f"{m['prefill_speedup']:>12.3f}x {m['decode_tokens_per_s']:>13.2f} {m['decode_speedup']:>12.3f}x "
+              f"{m['peak_rss_mb']:>12.0f}")
+    cpu = med["patched cpu"]
+    goals = [goal_line(cpu["prefill_speedup"] >= 1.0, f"patched cpu prefill {cpu['prefill_speedup']:.3f}x unpatched "
+                                                      f"(goal: no slower)"),
+             goal_line(cpu["decode_speedup"] >= 1.0, f"patched cpu decode {cpu['decode_speedup']:.3f}x unpatched "
+                                                     f"(goal: no slower)")]
+    print("\n" + "\n".join(goals))
+    result = {"bench": "e2e", "model": "gutenocr_3b dims", "num_layers": num_layers, "vision_depth": vision_depth,
+              "image": list(img.size), "new_tokens": new_tokens, "repeats": repeats, "load_s": load_s,
+              "threads": torch.get_num_threads(), "medians": med, "samples": samples, "goals": goals}
+    if json_path:
+        write_json(json_path, result)
+        print(f"JSON written to {json_path}")
+    if png_path:
+        print(save_plot(png_path, lambda plt: _plot(plt, med)))
+    return 0 if all(g.startswith("PASS") for g in goals) else 1
+
+
+def _plot(plt, med):
+    names = list(med)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].bar(names, [med[n]["prefill_s"] * 1e3 for n in names], color="tab:blue")
+    axes[0].bar(names, [med[n]["vision_s"] * 1e3 for n in names], color="tab:orange", label="vision encoder")
+    axes[0].set_ylabel("prefill ms (median)")
+    axes[0].legend()
+    axes[1].bar(names, [med[n]["decode_tokens_per_s"] for n in names], color="tab:green")
+    axes[1].set_ylabel("decode tokens/s (median)")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=25)
+    fig.suptitle("GutenOCR-3B dims (reduced depth), bf16, CPU")
+    return fig
