@@ -128,3 +128,14 @@ def test_a_failed_compile_does_not_break_later_calls():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "compile failed as intended" in proc.stdout
     assert "pypto: disabled after a kernel compile error in this process" in proc.stdout
+
+
+def test_importing_pypto_leaves_the_root_logger_alone():
+    import logging
+
+    pypto_compat.apply()
+    root = logging.getLogger()
+    before = (root.level, list(root.handlers))
+    pypto_compat.import_pypto()
+    assert (root.level, list(root.handlers)) == before
+    assert root.level != logging.DEBUG or before[0] == logging.DEBUG

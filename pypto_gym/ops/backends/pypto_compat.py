@@ -12,6 +12,9 @@ module adapts exactly those, after checking the installed version:
    g++ in every process (~45 s on two cores). Build it once into the pypto-gym cache, keyed by
    the PyPTO and torch versions, and load it with RTLD_GLOBAL as PyPTO does.
 
+Importing PyPTO 0.2.0 calls `logging.basicConfig(level=logging.DEBUG)`, which would switch the
+whole application's root logger to DEBUG; `import_pypto` restores the root logger afterwards.
+
 A kernel that fails to compile leaves PyPTO 0.2.0's global state broken for the rest of the
 process (first "function nested is not allowed", and after resetting that flag "tile shape not
 set" and a hang), so the backend never lets a bad shape reach the compiler and, if a compile
@@ -25,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import shutil
 import sys
@@ -57,6 +61,7 @@ def check_version() -> str:
     if version != SUPPORTED_VERSION:
         raise PyptoVersionError(f"pypto {version} installed; pypto_gym's adaptations are for {SUPPORTED_VERSION} "
                                 f"(see pypto_gym/ops/backends/pypto_compat.py)")
+    import_pypto()
     from pypto import _utils
     from pypto.frontend.parser import entry
 
@@ -65,6 +70,19 @@ def check_version() -> str:
         if not callable(getattr(owner, name, None)):
             raise PyptoVersionError(f"pypto {version}: {owner.__name__}.{name} is missing; adaptation out of date")
     return version
+
+
+def import_pypto():
+    """Import pypto without letting it reconfigure the application's root logger."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    import pypto
+
+    root.setLevel(level)
+    for h in list(root.handlers):
+        if h not in handlers:
+            root.removeHandler(h)
+    return pypto
 
 
 def cache_dir() -> Path:
