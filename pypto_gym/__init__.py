@@ -5,7 +5,8 @@
     pypto_gym.unpatch_model(model)                 # exact restore
 """
 from . import ops
+from .capture import ShapeRecorder
 from .patching import is_enabled, patch_model, patch_report, patched, set_enabled, unpatch_model
 
 __version__ = "0.1.0"
-__all__ = ["ops", "patch_model", "unpatch_model", "patched", "patch_report", "set_enabled", "is_enabled"]
+__all__ = ["ops", "ShapeRecorder", "patch_model", "unpatch_model", "patched", "patch_report", "set_enabled", "is_enabled"]
