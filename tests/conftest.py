@@ -21,15 +21,3 @@ def sample_inputs(tiny_loaded):
 
     model, processor = tiny_loaded
     return processor(["Read the text in the image."], [Image.open(SAMPLE_IMAGE).convert("RGB")], model=model)
-
-
-@pytest.fixture
-def tiny_model(tiny_loaded):
-    """A fresh copy of the embedded model, float32 so torch-backend comparisons are exact."""
-    import copy
-
-    return copy.deepcopy(tiny_loaded[0])
-
-
-def pytest_configure(config):
-    torch.set_num_threads(max(1, torch.get_num_threads()))
