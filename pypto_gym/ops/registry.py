@@ -83,6 +83,17 @@ def strict() -> bool:
     return os.environ.get("PYPTO_GYM_STRICT", "0") not in ("", "0", "false", "False")
 
 
+def prepare(requested: str, device_type: str) -> None:
+    """Do a backend's one-time work (kernel build/load) now, e.g. at patch time, not inside a timed call."""
+    names = [n for n in AUTO_ORDER if n in BACKENDS] if requested == "auto" else [requested]
+    for name in names:
+        backend = get(name)
+        if device_type in backend.devices:
+            backend.unavailable_reason()
+            if requested == "auto":
+                return
+
+
 def resolve(op: str, requested: str, x: torch.Tensor, **args) -> tuple[Backend, str | None]:
     """The backend that will run this call, and the fallback reason if it is not the one asked for."""
     if requested == "auto":

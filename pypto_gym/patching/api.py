@@ -84,6 +84,8 @@ def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, 
             site = Site(cand.path, cand.kind, cand.module, cand.eps, backend, cast_mode)
             site.install()
             state.entries.append(site)
+    for device_type in {site.module.weight.device.type for site in state.sites}:
+        registry.prepare(backend, device_type)  # build/load kernels now, not in the first forward
     if fuse_residual:
         _fuse_layers(model, state)
     object.__setattr__(model, _STATE_ATTR, state)
