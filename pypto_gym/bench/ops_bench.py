@@ -45,11 +45,40 @@ def first_call_ms() -> dict:
             "cpu_first_call_ms": (time.perf_counter() - t0) * 1e3}
 
 
+def wrapper_overhead_us(rounds: int) -> dict:
+    """A patched norm at decode size [1, 1, 2048] bf16: bare HF module vs wrapper (switch off / on)."""
+    import copy
+
+    from ..patching import patch_model, set_enabled, unpatch_model
+
+    bare = torch.nn.Sequential(hf_norm(2048, torch.bfloat16))
+    patched = copy.deepcopy(bare)
+    patch_model(patched, backend="cpu")
+    x = torch.randn(1, 1, 2048, dtype=torch.bfloat16)
+
+    def switched_off():
+        set_enabled(False)
+        try:
+            return patched(x)
+        finally:
+            set_enabled(True)
+
+    with torch.inference_mode():
+        t = interleaved_medians({"bare": lambda: bare(x), "wrapper_off": switched_off,
+                                 "wrapper_on_cpu": lambda: patched(x)}, rounds=rounds)
+    unpatch_model(patched)
+    return {k: v * 1e6 for k, v in t.items()}
+
+
 def run(dtypes=("bfloat16",), quick=False, rounds=15, json_path=None, png_path=None) -> int:
     torch.manual_seed(0)
     warm = first_call_ms()
     print(f"cpu kernels: loaded in {warm['cpu_kernel_load_ms']:.0f} ms (build this process: "
           f"{warm['cpu_build_ms']:.0f} ms), first call {warm['cpu_first_call_ms']:.2f} ms")
+    wrap = wrapper_overhead_us(rounds)
+    print(f"patched norm at [1, 1, 2048] bf16: bare HF module {wrap['bare']:.1f} us, wrapper with the switch off "
+          f"{wrap['wrapper_off']:.1f} us (+{wrap['wrapper_off'] - wrap['bare']:.1f}, includes two set_enabled calls), "
+          f"switch on (cpu) {wrap['wrapper_on_cpu']:.1f} us")
     rows, goals = [], []
     header = (f"{'op':<13} {'shape':<18} {'dtype':<9} {'hf eager':>10} {'torch':>10} {'add+norm':>10} {'cpu':>10} "
               f"{'clone':>10} {'cpu vs ref':>10} {'cpu/clone':>9}")
@@ -98,7 +127,7 @@ def run(dtypes=("bfloat16",), quick=False, rounds=15, json_path=None, png_path=N
                                f"cpu add_rms_norm {r['dtype']} {tuple(r['shape'])}: "
                                f"{r['fused_speedup_vs_add_then_norm']:.2f}x add then rms_norm (goal > 1x)"))
     print("\n" + "\n".join(goals))
-    result = {"bench": "ops", "first_call": warm, "rows": rows, "goals": goals,
+    result = {"bench": "ops", "first_call": warm, "wrapper_us": wrap, "rows": rows, "goals": goals,
               "threads": torch.get_num_threads()}
     if json_path:
         write_json(json_path, result)
