@@ -24,8 +24,6 @@ __all__ = ["rms_norm", "add_rms_norm", "rms_norm_dynamic_quant", "add_rms_norm_d
 
 def _direct_ok(*tensors) -> bool:
     """True when the backend can be called without the dispatcher (plain eager, no grad needed)."""
-    if torch.compiler.is_compiling():
-        return False
     grad = torch.is_grad_enabled()
     for t in tensors:
         if t is not None and (type(t) is not torch.Tensor or t.is_meta or (grad and t.requires_grad)):
@@ -37,21 +35,22 @@ def _prepare(op, backend, stats, x, **args):
     """Resolve the backend for this call and count it (skipped while tracing: no Python side effects)."""
     requested = registry.default_backend() if backend is None else backend
     chosen, reason = registry.resolve(op, requested, x, **args)
-    if not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
         for s in (GLOBAL_STATS, stats):
             if s is not None:
                 s.calls += 1
                 s.backend = chosen.name
                 if reason:
                     s.fallbacks[reason] += 1
-    return chosen
+    return chosen, compiling
 
 
 def rms_norm(x, gamma=None, eps=1e-6, *, cast_mode="hf", backend="auto", stats=None):
     """y = gamma * (x / rms(x)); `hf` casts before the weight (HF Qwen/Llama), `fp32` after (vLLM, aclnn)."""
     validation.check_rms_norm(x, gamma, eps, cast_mode)
-    b = _prepare("rms_norm", backend, stats, x, gamma=gamma, cast_mode=cast_mode)
-    if _direct_ok(x, gamma):
+    b, compiling = _prepare("rms_norm", backend, stats, x, gamma=gamma, cast_mode=cast_mode)
+    if not compiling and _direct_ok(x, gamma):
         return registry.run("rms_norm", b, (x, gamma, float(eps), cast_mode), stats)
     return library.rms_norm_op(x, gamma, float(eps), cast_mode, b.name)
 
@@ -59,8 +58,8 @@ def rms_norm(x, gamma=None, eps=1e-6, *, cast_mode="hf", backend="auto", stats=N
 def add_rms_norm(x1, x2, gamma, eps=1e-6, *, cast_mode="hf", backend="auto", stats=None):
     """(rms_norm(x1 + x2), x1 + x2): the residual add fused into the norm; x_out is the next residual."""
     validation.check_add_rms_norm(x1, x2, gamma, eps, cast_mode)
-    b = _prepare("add_rms_norm", backend, stats, x1, gamma=gamma, cast_mode=cast_mode)
-    if _direct_ok(x1, x2, gamma):
+    b, compiling = _prepare("add_rms_norm", backend, stats, x1, gamma=gamma, cast_mode=cast_mode)
+    if not compiling and _direct_ok(x1, x2, gamma):
         return registry.run("add_rms_norm", b, (x1, x2, gamma, float(eps), cast_mode), stats)
     return library.add_rms_norm_op(x1, x2, gamma, float(eps), cast_mode, b.name)
 
@@ -69,9 +68,9 @@ def rms_norm_dynamic_quant(x, gamma, smooth_scales=None, beta=None, eps=1e-6, *,
                            stats=None):
     """RMSNorm (+beta, *smooth) then per-row symmetric int8/int4 quantisation -> (y, scale)."""
     validation.check_quant(x, gamma, smooth_scales, None, beta, eps, dst_type, smooth_names=("smooth_scales", ""))
-    b = _prepare("rms_norm_dynamic_quant", backend, stats, x, gamma=gamma, dst_type=dst_type)
+    b, compiling = _prepare("rms_norm_dynamic_quant", backend, stats, x, gamma=gamma, dst_type=dst_type)
     args = (x, gamma, smooth_scales, beta, float(eps), dst_type)
-    if _direct_ok(x, gamma, smooth_scales, beta):
+    if not compiling and _direct_ok(x, gamma, smooth_scales, beta):
         return registry.run("rms_norm_dynamic_quant", b, args, stats)
     return library.rms_norm_dynamic_quant_op(*args, b.name)
 
@@ -80,9 +79,9 @@ def add_rms_norm_dynamic_quant(x1, x2, gamma, smooth_scale1=None, smooth_scale2=
                                dst_type="int8", backend="auto", stats=None):
     """aclnnAddRmsNormDynamicQuant: -> (y1, y2, x_out, scale1, scale2); y2/scale2 None without smooth_scale2."""
     validation.check_quant(x1, gamma, smooth_scale1, smooth_scale2, beta, eps, dst_type, x2=x2, x_name="x1")
-    b = _prepare("add_rms_norm_dynamic_quant", backend, stats, x1, gamma=gamma, dst_type=dst_type)
+    b, compiling = _prepare("add_rms_norm_dynamic_quant", backend, stats, x1, gamma=gamma, dst_type=dst_type)
     args = (x1, x2, gamma, smooth_scale1, smooth_scale2, beta, float(eps), dst_type)
-    if _direct_ok(x1, x2, gamma, smooth_scale1, smooth_scale2, beta):
+    if not compiling and _direct_ok(x1, x2, gamma, smooth_scale1, smooth_scale2, beta):
         return registry.run("add_rms_norm_dynamic_quant", b, args, stats)
     y1, y2, x_out, s1, s2 = library.add_rms_norm_dynamic_quant_op(*args, b.name)
     return (y1, y2, x_out, s1, s2) if smooth_scale2 is not None else (y1, None, x_out, s1, None)

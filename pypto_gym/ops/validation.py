@@ -33,6 +33,9 @@ def _check_vector(name: str, t, D: int, x: torch.Tensor, same_dtype: bool) -> No
     """A per-channel parameter: shape [D] (singleton dims allowed, e.g. (1, D, 1, 1)), on x's device."""
     if t is None:
         return
+    if type(t) is torch.Tensor and t.dim() == 1 and t.shape[0] == D and t.device == x.device and (
+            t.dtype == x.dtype or (not same_dtype and t.dtype in FLOAT_DTYPES)):
+        return  # the common case, checked cheaply: this runs on every norm call of a model
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
     if same_dtype and t.dtype != x.dtype:
@@ -47,6 +50,8 @@ def _check_vector(name: str, t, D: int, x: torch.Tensor, same_dtype: bool) -> No
 
 
 def _check_eps(eps, strictly_positive: bool) -> None:
+    if type(eps) is float and (eps > 0 or (eps == 0 and not strictly_positive)):
+        return
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise TypeError(f"eps: expected a float, got {type(eps).__name__}")
     if math.isnan(eps) or eps < 0 or (strictly_positive and eps == 0):
@@ -60,6 +65,9 @@ def _check_choice(name: str, value, choices) -> None:
 
 
 def _check_pair(x1: torch.Tensor, x2) -> None:
+    """x2 like x1 (already checked): same shape, dtype and device."""
+    if type(x2) is torch.Tensor and x2.shape == x1.shape and x2.dtype == x1.dtype and x2.device == x1.device:
+        return
     _check_x("x2", x2)
     if x2.shape != x1.shape:
         raise ValueError(f"x2: shape {tuple(x2.shape)} does not match x1; expected {tuple(x1.shape)}")
