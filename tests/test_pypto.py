@@ -116,7 +116,7 @@ def test_a_failed_compile_does_not_break_later_calls():
         "b = registry.get('pypto')\n"
         "x = torch.randn(4, 64)\n"
         "try:\n"
-        "    b._launch('rms_norm_hf', x, [x, torch.randn(1, 68), torch.empty(4, 64)], [1e-6, 1 / 64])\n"
+        "    b._launch('rms_norm', x, [x, torch.randn(1, 68), torch.empty(4, 64)], [1e-6, 1 / 64, True])\n"
         "except Exception as e:\n"
         "    print('compile failed as intended:', type(e).__name__)\n"
         "stats = ops.Stats()\n"
@@ -139,3 +139,14 @@ def test_importing_pypto_leaves_the_root_logger_alone():
     pypto_compat.import_pypto()
     assert (root.level, list(root.handlers)) == before
     assert root.level != logging.DEBUG or before[0] == logging.DEBUG
+
+
+def test_cast_modes_compile_to_different_kernels():
+    """The mode is a compile-time constant of one kernel: each mode must match its own golden exactly."""
+    torch.manual_seed(0)
+    x, g = torch.randn(4, 64).bfloat16(), torch.randn(64).bfloat16()
+    hf = ops.rms_norm(x, g, cast_mode="hf", backend="pypto")
+    fp32 = ops.rms_norm(x, g, cast_mode="fp32", backend="pypto")
+    assert torch.equal(hf, reference.rms_norm(x, g, cast_mode="hf"))
+    assert torch.equal(fp32, reference.rms_norm(x, g, cast_mode="fp32"))
+    assert not torch.equal(hf, fp32)

@@ -120,7 +120,7 @@ class PyptoBackend(Backend):
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         if x.numel():
             g = self._vec(gamma, D, x, 1.0)
-            self._launch(f"rms_norm_{cast_mode}", x, [self._rows(x), g, out.view(-1, D)], [float(eps), 1.0 / D])
+            self._launch("rms_norm", x, [self._rows(x), g, out.view(-1, D)], [float(eps), 1.0 / D, cast_mode == "hf"])
         return out
 
     def add_rms_norm(self, x1, x2, gamma, eps, cast_mode):
@@ -130,8 +130,8 @@ class PyptoBackend(Backend):
         x_out = torch.empty_like(x1, memory_format=torch.contiguous_format)
         if x1.numel():
             g = self._vec(gamma, D, x1, 1.0)
-            self._launch(f"add_rms_norm_{cast_mode}", x1,
-                         [self._rows(x1), self._rows(x2), g, out.view(-1, D), x_out.view(-1, D)], [float(eps), 1.0 / D])
+            self._launch("add_rms_norm", x1, [self._rows(x1), self._rows(x2), g, out.view(-1, D), x_out.view(-1, D)],
+                         [float(eps), 1.0 / D, cast_mode == "hf"])
         return out, x_out
 
     def rms_norm_dynamic_quant(self, x, gamma, smooth_scales, beta, eps, dst_type):

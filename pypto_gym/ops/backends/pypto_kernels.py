@@ -38,6 +38,11 @@ def _norm_fp32(x, g, out, eps, inv_d):
     return _to(xf * _inv_rms(xf, eps, inv_d) * _f32(g), out.dtype)
 
 
+def _norm(x, g, out, eps, inv_d, hf):
+    """The cast mode is a compile-time constant: the branch is taken while tracing, not in the kernel."""
+    return _norm_hf(x, g, out, eps, inv_d) if hf else _norm_fp32(x, g, out, eps, inv_d)
+
+
 def _quantise(n, qmax, qmin, y, scale):
     """Per-row scale = max|n| / qmax (0 for a zero row); y = clip(round(n / scale))."""
     s = pypto.amax(pypto.abs(n), -1, keepdim=True) * (1.0 / qmax)
@@ -54,36 +59,23 @@ def _quant_input(x, g, beta, eps, inv_d):
 
 
 def make_kernels(run_mode):
-    """The seven kernels for one run mode (RunMode.NPU for NPU tensors, SIM + pass-verify for CPU)."""
+    """The five kernels for one run mode (RunMode.NPU for NPU tensors, SIM + pass-verify for CPU)."""
     opts = {"runtime_options": {"run_mode": run_mode}}
     if run_mode == pypto.RunMode.SIM:
         opts["verify_options"] = {"enable_pass_verify": True, "pass_verify_pass_filter": []}
     jit = pypto.frontend.jit(**opts)
 
     @jit
-    def rms_norm_hf(x: pypto.Tensor(), g: pypto.Tensor(), out: pypto.Tensor(), eps, inv_d, rows, cols):
+    def rms_norm(x: pypto.Tensor(), g: pypto.Tensor(), out: pypto.Tensor(), eps, inv_d, hf, rows, cols):
         pypto.set_vec_tile_shapes(rows, cols)
-        out[:] = _norm_hf(x, g, out, eps, inv_d)
+        out[:] = _norm(x, g, out, eps, inv_d, hf)
 
     @jit
-    def rms_norm_fp32(x: pypto.Tensor(), g: pypto.Tensor(), out: pypto.Tensor(), eps, inv_d, rows, cols):
-        pypto.set_vec_tile_shapes(rows, cols)
-        out[:] = _norm_fp32(x, g, out, eps, inv_d)
-
-    @jit
-    def add_rms_norm_hf(x1: pypto.Tensor(), x2: pypto.Tensor(), g: pypto.Tensor(), out: pypto.Tensor(),
-                        x_out: pypto.Tensor(), eps, inv_d, rows, cols):
+    def add_rms_norm(x1: pypto.Tensor(), x2: pypto.Tensor(), g: pypto.Tensor(), out: pypto.Tensor(),
+                     x_out: pypto.Tensor(), eps, inv_d, hf, rows, cols):
         pypto.set_vec_tile_shapes(rows, cols)
         s = pypto.add(x1, x2)
-        out[:] = _norm_hf(s, g, out, eps, inv_d)
-        x_out[:] = s
-
-    @jit
-    def add_rms_norm_fp32(x1: pypto.Tensor(), x2: pypto.Tensor(), g: pypto.Tensor(), out: pypto.Tensor(),
-                          x_out: pypto.Tensor(), eps, inv_d, rows, cols):
-        pypto.set_vec_tile_shapes(rows, cols)
-        s = pypto.add(x1, x2)
-        out[:] = _norm_fp32(s, g, out, eps, inv_d)
+        out[:] = _norm(s, g, out, eps, inv_d, hf)
         x_out[:] = s
 
     @jit
