@@ -274,3 +274,21 @@ def test_cli_flags_beat_environment(monkeypatch):
         {"backend": "cpu", "sites": "vision.*", "fuse_residual": False}
     monkeypatch.setenv("USE_PTO_RMS_NORM", "0")
     assert patch_options(parse("--use_pto"))["backend"] == "torch"
+
+
+def test_meta_device_model_is_classified_by_class_and_attributes():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+        model.model.layers[0].post_attention_layernorm = GemmaRMSNorm(32)
+    report = pypto_gym.patch_model(model, backend="torch").to_json()
+    rows = {s["path"]: s for s in report["sites"]}
+    assert rows["model.norm"]["status"] == "patched" and rows["model.norm"]["device"] == "meta"
+    assert rows["model.layers.0.self_attn.q_norm"]["status"] == "patched"
+    skipped = rows["model.layers.0.post_attention_layernorm"]
+    assert skipped["status"] == "skipped" and "not recognised as an RMSNorm by name" in skipped["reason"]
