@@ -4,7 +4,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from pypto_gym.models.qwen2_5_vl import SAMPLE_IMAGE, TINY_DIR, load_model_and_processor  # noqa: E402
 

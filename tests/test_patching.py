@@ -1,6 +1,5 @@
 """Patching real transformers models (SPEC 3): discovery, wrappers, fusion, switch, unpatch."""
 import copy
-import os
 
 import pytest
 import torch
@@ -8,7 +7,7 @@ import torch
 import pypto_gym
 from pypto_gym.precision import compare
 
-from models import GutenOcr3BVLRMSNorm, OnePlusWeightRMSNorm, randomise_norm_weights, tiny_qwen2_vl, tiny_qwen3
+from models import GutenOcr3BVLRMSNorm, OnePlusWeightRMSNorm, tiny_qwen2_vl, tiny_qwen3
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ pytest.importorskip("pypto", reason="the pypto extra is not installed (pip insta
 from pypto_gym import ops  # noqa: E402
 from pypto_gym.capture import load_cases  # noqa: E402
 from pypto_gym.capture.runner import run_case  # noqa: E402
-from pypto_gym.ops import reference, registry  # noqa: E402
+from pypto_gym.ops import reference  # noqa: E402
 from pypto_gym.ops.backends import pypto_compat  # noqa: E402
 from pypto_gym.precision import compare_outputs  # noqa: E402
 

@@ -42,7 +42,7 @@ def run_cases(path, backends=("torch", "cpu"), rounds=9, json_path=None) -> int:
         (f" {'est. NPU us':>12}" if "pypto" in backends else "")
     print(header + "\n" + "-" * len(header))
     with torch.inference_mode():
-        for i, case in enumerate(cases, 1):
+        for case in cases:
             inputs = build_inputs(case)
             args, kwargs = call_args(case, inputs)
             fn = getattr(ops, case["op"])
@@ -74,7 +74,7 @@ def run_pypto(path, json_path=None, png_path=None) -> int:
     print(f"PyPTO SIM (Ascend 910B2 cost model); HBM bound at {HBM_BYTES_PER_S / 1e12:.1f} TB/s")
     print(header + "\n" + "-" * len(header))
     with torch.inference_mode():
-        for i, case in enumerate(cases, 1):
+        for case in cases:
             args, kwargs = call_args(case, build_inputs(case))
             est, note = _pypto_estimate(case, args, kwargs)
             nbytes = bytes_moved(case)

@@ -60,7 +60,7 @@ class ShapeRecorder:
 
     def __enter__(self):
         self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True))
-        for path, module, kind, eps, fusable in list(self._sites()):
+        for _, module, kind, eps, fusable in list(self._sites()):
             hook = self._make_hook(kind, eps, fusable)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         return self

@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 from ..reference import QUANT_RANGES
 from ..registry import Backend, register
