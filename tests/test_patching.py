@@ -228,8 +228,11 @@ def test_torch_compile_fullgraph_over_patched_text_model(model32):
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_training_gradients_match_unpatched(backend):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_training_gradients_match_unpatched(backend, checkpointing):
     model = tiny_qwen3().train()
+    if checkpointing:  # layers re-run their (rewritten) forward during backward
+        model.gradient_checkpointing_enable()
     ids = torch.randint(0, 256, (2, 10))
 
     def grads(m):
@@ -241,7 +244,8 @@ def test_training_gradients_match_unpatched(backend):
     expected = grads(plain)
     report = pypto_gym.patch_model(model, backend=backend)
     got = grads(model)
-    assert report.to_json()["summary"]["calls"] == 2 * 4 + 1  # q, k, input, post-attn per layer; final norm
+    calls = report.to_json()["summary"]["calls"]
+    assert calls == 2 * 4 + 1 or (checkpointing and calls > 2 * 4 + 1)  # q, k, input, post-attn per layer; final
     assert got.keys() == expected.keys()
     for name in expected:
         if backend == "torch":
