@@ -295,3 +295,17 @@ def test_meta_device_model_is_classified_by_class_and_attributes():
     assert rows["model.layers.0.self_attn.q_norm"]["status"] == "patched"
     skipped = rows["model.layers.0.post_attention_layernorm"]
     assert skipped["status"] == "skipped" and "not recognised as an RMSNorm by name" in skipped["reason"]
+
+
+def test_deepcopy_of_a_patched_model_is_independent(model32, sample_inputs):
+    pypto_gym.patch_model(model32, backend="torch")
+    twin = copy.deepcopy(model32)
+    logits(twin, sample_inputs)
+    assert pypto_gym.patch_report(twin).to_json()["summary"]["calls"] > 0
+    assert pypto_gym.patch_report(model32).to_json()["summary"]["calls"] == 0  # own counters
+    pypto_gym.set_enabled(False)
+    expected = logits(twin, sample_inputs)  # switch off: the copy's own original forwards
+    pypto_gym.set_enabled(True)
+    pypto_gym.unpatch_model(twin)
+    assert torch.equal(logits(twin, sample_inputs), expected)
+    assert pypto_gym.patch_report(model32) is not None  # the original is still patched

@@ -32,23 +32,8 @@ class Site:
         self.original_forward = self._saved if self._saved is not None else module.forward
 
     def install(self) -> None:
-        module, original, site = self.module, self.original_forward, self
-        stats, eps, cast_mode = self.stats, self.eps, self.cast_mode
-
-        def forward(self, hidden_states, residual=None):
-            if not switch._enabled:
-                if residual is None:
-                    return original(hidden_states)
-                x_out = residual + hidden_states
-                return original(x_out), x_out
-            if residual is None:
-                return ops.rms_norm(hidden_states, self.weight, eps, cast_mode=cast_mode, backend=site.backend,
-                                    stats=stats)
-            return ops.add_rms_norm(residual, hidden_states, self.weight, eps, cast_mode=cast_mode,
-                                    backend=site.backend, stats=stats)
-
-        setattr(module, self._attr, types.MethodType(forward, module))
-        setattr(module, _SLOT, self)
+        setattr(self.module, self._attr, types.MethodType(patched_forward, self.module))
+        setattr(self.module, _SLOT, self)
 
     def uninstall(self) -> None:
         if self._saved is None:
@@ -63,6 +48,22 @@ class Site:
                 "backend": self.stats.backend or self.backend, "D": int(w.shape[0]), "eps": self.eps,
                 "dtype": str(w.dtype).replace("torch.", ""), "device": str(w.device), "fused_residual": self.fused,
                 "calls": self.stats.calls, "fallbacks": dict(self.stats.fallbacks)}
+
+
+def patched_forward(self, hidden_states, residual=None):
+    """The forward of every patched norm. State comes from the module's own Site, not a closure,
+    so a deep-copied patched model gets its own counters and its own original forward."""
+    site = self.__dict__[_SLOT]
+    if not switch._enabled:
+        if residual is None:
+            return site.original_forward(hidden_states)
+        x_out = residual + hidden_states
+        return site.original_forward(x_out), x_out
+    if residual is None:
+        return ops.rms_norm(hidden_states, self.weight, site.eps, cast_mode=site.cast_mode, backend=site.backend,
+                            stats=site.stats)
+    return ops.add_rms_norm(residual, hidden_states, self.weight, site.eps, cast_mode=site.cast_mode,
+                            backend=site.backend, stats=site.stats)
 
 
 def site_of(module: torch.nn.Module) -> Site | None:
