@@ -11,7 +11,7 @@ pytest.importorskip("pypto", reason="the pypto extra is not installed (pip insta
 from pypto_gym import ops  # noqa: E402
 from pypto_gym.capture import load_cases  # noqa: E402
 from pypto_gym.capture.runner import run_case  # noqa: E402
-from pypto_gym.ops import reference  # noqa: E402
+from pypto_gym.ops import reference, registry  # noqa: E402
 from pypto_gym.ops.backends import pypto_compat  # noqa: E402
 from pypto_gym.precision import compare_outputs  # noqa: E402
 
@@ -150,3 +150,10 @@ def test_cast_modes_compile_to_different_kernels():
     assert torch.equal(hf, reference.rms_norm(x, g, cast_mode="hf"))
     assert torch.equal(fp32, reference.rms_norm(x, g, cast_mode="fp32"))
     assert not torch.equal(hf, fp32)
+
+
+def test_unfused_baseline_add_for_benchmarks():
+    backend = registry.get("pypto")
+    x1, x2 = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+    assert torch.equal(backend.residual_add(x1, x2), x1 + x2)
+    assert backend.last_estimated_us > 0

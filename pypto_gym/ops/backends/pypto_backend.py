@@ -134,6 +134,12 @@ class PyptoBackend(Backend):
                          [float(eps), 1.0 / D, cast_mode == "hf"])
         return out, x_out
 
+    def residual_add(self, x1, x2):
+        """x1 + x2 as its own PyPTO kernel: the unfused baseline for benchmarks (sets last_estimated_us)."""
+        out = torch.empty_like(x1, memory_format=torch.contiguous_format)
+        self._launch("residual_add", x1, [self._rows(x1), self._rows(x2), out.view(-1, x1.shape[-1])], [])
+        return out
+
     def rms_norm_dynamic_quant(self, x, gamma, smooth_scales, beta, eps, dst_type):
         D = x.shape[-1]
         y = torch.empty(x.shape, dtype=torch.int8, device=x.device)
