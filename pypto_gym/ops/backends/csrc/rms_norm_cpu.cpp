@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512BF16__)
@@ -53,25 +54,58 @@ struct BF16 {
 inline __m512 bf16x16_to_f32(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
-inline __m512 round_to_bf16_precision(__m512 f) {  // RNE to 8 significant bits, kept in f32 lanes
-  __m512i u = _mm512_castps_si512(f);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
-}
-// y = bf16(g * bf16(x * r)) (hf) or bf16(x * r * g) (fp32); g already in f32. Returns elements done.
-inline int64_t bf16_norm_row_fast(const uint16_t* x, const float* g, uint16_t* y, int64_t D, float r, bool hf) {
+// Lane orders. A block of 32 bf16 is widened with unpacklo/hi_epi16 (one instruction per 16
+// floats, against two for a zero-extend + shift), which leaves the floats in a lane-local order;
+// gamma is permuted once per call into the same order and one vpermw restores the natural order
+// at the store. P is the order after one widening (fp32 mode); in hf mode the products are
+// rounded to bf16 with one vcvtne2ps2bf16 and widened again, giving order Q.
+struct Bf16Blocks {
+  int lo[16], hi[16];  // element (0..31) held by lane j of the low / high float vector
+  uint16_t store_index[32];
+  explicit Bf16Blocks(bool twice) {
+    int p[32];  // slot -> element after the first widening and packing
+    for (int k = 0; k < 4; ++k)
+      for (int t = 0; t < 4; ++t) {
+        lo[4 * k + t] = 8 * k + t;
+        hi[4 * k + t] = 8 * k + 4 + t;
+      }
+    if (twice) {
+      for (int j = 0; j < 16; ++j) p[j] = lo[j], p[16 + j] = hi[j];
+      for (int k = 0; k < 4; ++k)
+        for (int t = 0; t < 4; ++t) {
+          lo[4 * k + t] = p[8 * k + t];
+          hi[4 * k + t] = p[8 * k + 4 + t];
+        }
+    }
+    for (int j = 0; j < 16; ++j) store_index[lo[j]] = j, store_index[hi[j]] = 16 + j;
+  }
+  std::vector<float> permute(const float* g, int64_t D) const {  // gamma in lane order, whole blocks
+    std::vector<float> out(D - D % 32);
+    for (int64_t b = 0; b + 32 <= D; b += 32)
+      for (int j = 0; j < 16; ++j) out[b + j] = g[b + lo[j]], out[b + 16 + j] = g[b + hi[j]];
+    return out;
+  }
+};
+
+// y = bf16(g * bf16(x * r)) (hf) or bf16(x * r * g) (fp32); gq is gamma in the blocks' lane order.
+inline int64_t bf16_norm_row_fast(const uint16_t* x, const float* gq, uint16_t* y, int64_t D, float r, bool hf,
+                                  const Bf16Blocks& blocks) {
   const __m512 vr = _mm512_set1_ps(r);
+  const __m512i z = _mm512_setzero_si512();
+  const __m512i idx = _mm512_loadu_si512((const void*)blocks.store_index);
   int64_t i = 0;
   for (; i + 32 <= D; i += 32) {
-    __m512 n0 = _mm512_mul_ps(bf16x16_to_f32(x + i), vr), n1 = _mm512_mul_ps(bf16x16_to_f32(x + i + 16), vr);
-    if (hf) {
-      n0 = round_to_bf16_precision(n0);
-      n1 = round_to_bf16_precision(n1);
+    __m512i v = _mm512_loadu_si512((const void*)(x + i));
+    __m512 lo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, v)), vr);
+    __m512 hi = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, v)), vr);
+    if (hf) {  // HF casts x * r to bf16 before the weight
+      __m512i p = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+      lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, p));
+      hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, p));
     }
-    __m512bh o = _mm512_cvtne2ps_pbh(_mm512_mul_ps(n1, _mm512_loadu_ps(g + i + 16)),
-                                     _mm512_mul_ps(n0, _mm512_loadu_ps(g + i)));
-    _mm512_storeu_si512((void*)(y + i), (__m512i)o);
+    __m512i o = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, _mm512_loadu_ps(gq + i + 16)),
+                                             _mm512_mul_ps(lo, _mm512_loadu_ps(gq + i)));
+    _mm512_storeu_si512((void*)(y + i), _mm512_permutexvar_epi16(idx, o));
   }
   return i;
 }
@@ -113,14 +147,29 @@ inline float sum_squares(const typename X::T* x, int64_t D) {
   return acc;
 }
 
+#ifdef PYPTO_GYM_BF16_FAST
+struct FastGamma {
+  Bf16Blocks blocks;
+  std::vector<float> gq;
+  FastGamma(const float* g, int64_t D, bool hf) : blocks(hf), gq(blocks.permute(g, D)) {}
+};
+#else
+struct FastGamma {
+  FastGamma(const float*, int64_t, bool) {}
+};
+#endif
+
 // y = O(gamma * T(x * r))  (hf)   or   y = O(x * r * gamma)  (fp32, O = T);  O = T when gamma's
 // dtype is T, else f32. gamma arrives converted to f32 once per call; no gamma arrives as ones
 // (1 * v == v exactly), so there is one code path.
 template <class X, class O>
-void norm_row(const typename X::T* x, const float* g, typename O::T* y, int64_t D, float r, bool fp32_mode) {
+void norm_row(const typename X::T* x, const float* g, typename O::T* y, int64_t D, float r, bool fp32_mode,
+              const FastGamma* fast) {
   int64_t i = 0;
 #ifdef PYPTO_GYM_BF16_FAST
-  if constexpr (std::is_same_v<X, BF16> && std::is_same_v<O, BF16>) i = bf16_norm_row_fast(x, g, y, D, r, !fp32_mode);
+  if constexpr (std::is_same_v<X, BF16> && std::is_same_v<O, BF16>) {
+    if (fast) i = bf16_norm_row_fast(x, fast->gq.data(), y, D, r, !fp32_mode, fast->blocks);
+  }
 #endif
   if (fp32_mode) {
     for (; i < D; ++i) y[i] = O::store(X::load(x[i]) * r * g[i]);
@@ -140,7 +189,7 @@ void add_row(const typename X::T* a, const typename X::T* b, typename X::T* o, i
 
 template <class X, class O>
 void rms_norm_impl(const at::Tensor& x, const at::Tensor* x2, const float* gp, at::Tensor& y, at::Tensor* xo,
-                   double eps, bool fp32_mode) {
+                   double eps, bool fp32_mode, const FastGamma* fast) {
   const int64_t D = x.size(-1), R = x.numel() / std::max<int64_t>(D, 1);
   auto xp = reinterpret_cast<const typename X::T*>(x.data_ptr());
   auto x2p = x2 ? reinterpret_cast<const typename X::T*>(x2->data_ptr()) : nullptr;
@@ -156,7 +205,7 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor* x2, const float* gp, a
       }
       float var = sum_squares<X>(xr, D) / (float)D;
       float r = 1.0f / std::sqrt(var + feps);
-      norm_row<X, O>(xr, gp, yp + row * D, D, r, fp32_mode);
+      norm_row<X, O>(xr, gp, yp + row * D, D, r, fp32_mode, fast);
     }
   });
 }
@@ -200,14 +249,17 @@ std::vector<at::Tensor> norm_entry(const at::Tensor& x_in, const c10::optional<a
     std::vector<float> gf(D, 1.0f);
     if (g.defined()) dispatch_x(g.scalar_type(), [&](auto gt) { gf = gamma_f32<decltype(gt)>(g); });
     const float* gp = gf.data();
+    std::unique_ptr<FastGamma> fast;  // bf16 in and out: gamma in the fast path's lane order
+    if (x.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16 && D >= 32)
+      fast = std::make_unique<FastGamma>(gp, D, !fp32_mode);
     dispatch_x(x.scalar_type(), [&](auto xt) {
       using X = decltype(xt);
       at::Tensor* x2p = x2.defined() ? &x2 : nullptr;
       at::Tensor* xop = xo.defined() ? &xo : nullptr;
       if (y.scalar_type() == x.scalar_type())
-        rms_norm_impl<X, X>(x, x2p, gp, y, xop, eps, fp32_mode);
+        rms_norm_impl<X, X>(x, x2p, gp, y, xop, eps, fp32_mode, fast.get());
       else
-        rms_norm_impl<X, F32>(x, x2p, gp, y, xop, eps, fp32_mode);
+        rms_norm_impl<X, F32>(x, x2p, gp, y, xop, eps, fp32_mode, nullptr);
     });
   }
   if (xo.defined()) return {y, xo};
