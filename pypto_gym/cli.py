@@ -164,7 +164,7 @@ def cmd_bench_ops(args) -> int:
     bad = [d for d in dtypes if d not in ops_bench.DTYPES]
     if bad:
         raise UserError(f"--dtypes: got {bad}; expected a comma list of {', '.join(ops_bench.DTYPES)}")
-    return ops_bench.run(dtypes, args.quick, args.rounds, args.json, args.png)
+    return ops_bench.run(dtypes, args.quick, args.rounds, args.json, args.png, pin=not args.no_pin_allocator)
 
 
 def cmd_bench_e2e(args) -> int:
@@ -234,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtypes", default="bfloat16", help="comma list of bfloat16,float16,float32")
     b.add_argument("--quick", action="store_true", help="fewer shapes")
     b.add_argument("--rounds", type=int, default=15, help="interleaved rounds per shape (median reported)")
+    b.add_argument("--no-pin-allocator", action="store_true",
+                   help="time with glibc's default mmap/trim behaviour (page faults make large shapes bimodal)")
     b.add_argument("--json", default="docs/results/ops.json")
     b.add_argument("--png", default="docs/results/ops.png")
     b.set_defaults(func=cmd_bench_ops)

@@ -11,7 +11,7 @@ import torch
 
 from .. import ops
 from ..ops import registry
-from .timing import goal_line, interleaved_medians, save_plot, write_json
+from .timing import goal_line, interleaved_medians, pin_allocator, save_plot, write_json
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -70,8 +70,10 @@ def wrapper_overhead_us(rounds: int) -> dict:
     return {k: v * 1e6 for k, v in t.items()}
 
 
-def run(dtypes=("bfloat16",), quick=False, rounds=15, json_path=None, png_path=None) -> int:
+def run(dtypes=("bfloat16",), quick=False, rounds=15, json_path=None, png_path=None, pin=True) -> int:
     torch.manual_seed(0)
+    allocator = pin_allocator() if pin else "allocator: glibc defaults"
+    print(allocator)
     warm = first_call_ms()
     print(f"cpu kernels: loaded in {warm['cpu_kernel_load_ms']:.0f} ms (build this process: "
           f"{warm['cpu_build_ms']:.0f} ms), first call {warm['cpu_first_call_ms']:.2f} ms")
@@ -127,7 +129,7 @@ def run(dtypes=("bfloat16",), quick=False, rounds=15, json_path=None, png_path=N
                                f"cpu add_rms_norm {r['dtype']} {tuple(r['shape'])}: "
                                f"{r['fused_speedup_vs_add_then_norm']:.2f}x add then rms_norm (goal > 1x)"))
     print("\n" + "\n".join(goals))
-    result = {"bench": "ops", "first_call": warm, "wrapper_us": wrap, "rows": rows, "goals": goals,
+    result = {"bench": "ops", "allocator": allocator, "first_call": warm, "wrapper_us": wrap, "rows": rows, "goals": goals,
               "threads": torch.get_num_threads()}
     if json_path:
         write_json(json_path, result)
