@@ -140,7 +140,9 @@ def build_calculator(progress=True) -> Path:
         shutil.rmtree(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     staging.rename(final)
-    assert Path(final, "install") == lib.parents[1] and install.name == "install"
+    if not lib.exists():
+        raise PyptoVersionError(f"pypto {installed_version()}: calculator build did not produce {lib.name} "
+                                f"under {install}; adaptation out of date")
     return lib
 
 
