@@ -4,9 +4,11 @@
     pypto_gym.set_enabled(False)                   # original math, without unpatching
     pypto_gym.unpatch_model(model)                 # exact restore
 """
-from . import ops
+from . import config, ops
 from .capture import ShapeRecorder
-from .patching import is_enabled, patch_model, patch_report, patched, set_enabled, unpatch_model
+from .config import is_enabled, is_strict, set_enabled, set_strict
+from .patching import PatchError, patch_model, patch_report, patched, unpatch_model
 
-__version__ = "0.1.0"
-__all__ = ["ops", "ShapeRecorder", "patch_model", "unpatch_model", "patched", "patch_report", "set_enabled", "is_enabled"]
+__version__ = "0.2.0"
+__all__ = ["ops", "config", "ShapeRecorder", "patch_model", "unpatch_model", "patched", "patch_report",
+           "set_enabled", "is_enabled", "set_strict", "is_strict", "PatchError"]

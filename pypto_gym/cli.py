@@ -40,18 +40,15 @@ def _add_patch_args(ap):
 
 def patch_options(args) -> dict | None:
     """The patch settings from flags, else the environment (SPEC 6); None when patching is off."""
-    from .patching.switch import env_flag, set_enabled
-
-    use = args.use_pto if args.use_pto is not None else env_flag("USE_PTO_RMS_NORM", False)
-    if not use:
-        return None
-    set_enabled(True)
+    from . import config
     from .ops import registry
 
-    backend = args.backend or registry.default_backend()
-    if backend not in registry.backend_names():
-        raise UserError(f"--backend: got {backend!r}; expected one of {', '.join(registry.backend_names())}")
-    fuse = args.fuse_residual if args.fuse_residual is not None else env_flag("PYPTO_GYM_FUSE_RESIDUAL", True)
+    use = args.use_pto if args.use_pto is not None else config.env_bool("USE_PTO_RMS_NORM", False)
+    if not use:
+        return None
+    config.set_enabled(True)  # --use_pto beats USE_PTO_RMS_NORM=0
+    backend = registry.env_backend() if args.backend is None else registry.check_name(args.backend, "--backend")
+    fuse = args.fuse_residual if args.fuse_residual is not None else config.env_bool("PYPTO_GYM_FUSE_RESIDUAL", True)
     return {"backend": backend, "sites": args.sites or os.environ.get("PYPTO_GYM_SITES") or None,
             "fuse_residual": fuse}
 

@@ -1,11 +1,36 @@
-"""Shared fixtures: real transformers models, built offline from the repo's own assets."""
+"""Shared fixtures: real transformers models, built offline from the repo's own assets.
+
+The suite runs strict (PYPTO_GYM_STRICT=1): a capability fallback or a kernel error raises, so a
+backend that silently did not run fails the test that used it. Tests about fallbacks opt out
+with the `lenient` fixture.
+"""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["PYPTO_GYM_STRICT"] = "1"
+os.environ.pop("USE_PTO_RMS_NORM", None)
+os.environ.pop("PYPTO_GYM_BACKEND", None)
 
 import pytest  # noqa: E402
 
+import pypto_gym  # noqa: E402
 from pypto_gym.models.qwen2_5_vl import SAMPLE_IMAGE, TINY_DIR, load_model_and_processor  # noqa: E402
+
+assert pypto_gym.is_strict(), "the suite must run strict"
+
+
+@pytest.fixture
+def lenient():
+    """Fallbacks allowed (counted, warned) for the duration of a test."""
+    with pypto_gym.config.scoped(strict=False):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _switches_restored():
+    """Every test starts with the kernels enabled and strict mode on, and leaves them so."""
+    with pypto_gym.config.scoped(enabled=True, strict=True):
+        yield
 
 
 @pytest.fixture(scope="session")

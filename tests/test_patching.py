@@ -16,13 +16,6 @@ def model32(tiny_loaded):
     return copy.deepcopy(tiny_loaded[0]).float()
 
 
-@pytest.fixture(autouse=True)
-def switch_on():
-    pypto_gym.set_enabled(True)
-    yield
-    pypto_gym.set_enabled(True)
-
-
 def logits(model, inputs):
     with torch.no_grad():
         return model(**inputs).logits
@@ -100,12 +93,21 @@ def test_unpatch_restores_types_keys_forwards_and_outputs(model32, sample_inputs
     assert report.to_json()["summary"]["patched"] == len(rms_norm_modules(model32))
 
 
-def test_patching_twice_is_a_no_op(model32):
+def test_patching_twice_with_the_same_options_is_a_no_op(model32):
     first = pypto_gym.patch_model(model32, backend="torch")
     forwards = {n: m.__dict__.get("forward") for n, m in model32.named_modules()}
-    second = pypto_gym.patch_model(model32, backend="cpu")
+    second = pypto_gym.patch_model(model32, backend="torch")
     assert {n: m.__dict__.get("forward") for n, m in model32.named_modules()} == forwards
     assert second.to_json() == first.to_json()
+
+
+def test_patching_again_with_other_options_is_refused_naming_the_existing_patch(model32):
+    pypto_gym.patch_model(model32, backend="torch")
+    for call in (lambda: pypto_gym.patch_model(model32, backend="cpu"),
+                 lambda: pypto_gym.patched(model32, backend="cpu").__enter__()):
+        with pytest.raises(pypto_gym.PatchError, match="already patched with backend='torch'.*got backend='cpu'"):
+            call()
+    assert pypto_gym.patch_report(model32).to_json()["backend"] == "torch"
 
 
 def test_patch_keeps_parameters_and_save_pretrained_output(model32, tmp_path):
@@ -254,29 +256,18 @@ def test_training_gradients_match_unpatched(backend, checkpointing):
             torch.testing.assert_close(got[name], expected[name], rtol=1e-3, atol=1e-5)
 
 
-def test_patch_refuses_unknown_backend_and_cast_mode(model32):
-    with pytest.raises(ValueError, match="backend: got 'gpu'"):
-        pypto_gym.patch_model(model32, backend="gpu")
-    with pytest.raises(ValueError, match="cast_mode: got 'x'"):
-        pypto_gym.patch_model(model32, cast_mode="x")
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"backend": "gpu"}, ValueError, "backend: got 'gpu'"),
+    ({"cast_mode": "x"}, ValueError, "cast_mode: got 'x'"),
+    ({"sites": 5}, TypeError, "sites: got 5 \\(int\\)"),
+    ({"sites": ["text.*", 3]}, TypeError, "sites: got"),
+    ({"fuse_residual": "no"}, TypeError, "fuse_residual: got 'no' \\(str\\); expected True or False"),
+])
+def test_patch_refuses_bad_arguments_naming_them(model32, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        pypto_gym.patch_model(model32, **kwargs)
     assert pypto_gym.patch_report(model32) is None
-
-
-def test_cli_flags_beat_environment(monkeypatch):
-    from pypto_gym.cli import build_parser, patch_options
-
-    parse = lambda *a: build_parser().parse_args(["infer", *a])  # noqa: E731
-    monkeypatch.delenv("USE_PTO_RMS_NORM", raising=False)
-    assert patch_options(parse()) is None
-    monkeypatch.setenv("USE_PTO_RMS_NORM", "1")
-    monkeypatch.setenv("PYPTO_GYM_BACKEND", "torch")
-    monkeypatch.setenv("PYPTO_GYM_SITES", "text.*")
-    monkeypatch.setenv("PYPTO_GYM_FUSE_RESIDUAL", "0")
-    assert patch_options(parse()) == {"backend": "torch", "sites": "text.*", "fuse_residual": False}
-    assert patch_options(parse("--backend", "cpu", "--sites", "vision.*")) == \
-        {"backend": "cpu", "sites": "vision.*", "fuse_residual": False}
-    monkeypatch.setenv("USE_PTO_RMS_NORM", "0")
-    assert patch_options(parse("--use_pto"))["backend"] == "torch"
+    assert not any("forward" in m.__dict__ for m in model32.modules())
 
 
 def test_meta_device_model_is_classified_by_class_and_attributes():

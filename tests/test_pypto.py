@@ -87,7 +87,7 @@ def test_quant_ops(dtype, dst_type, variant):
                  ("y1", "y2", "x_out", "scale1", "scale2"))
 
 
-def test_too_wide_rows_fall_back_with_reason():
+def test_too_wide_rows_fall_back_with_reason(lenient):
     stats = ops.Stats()
     x = torch.randn(2, 20000)
     y = ops.rms_norm(x, None, backend="pypto", stats=stats)
@@ -95,7 +95,7 @@ def test_too_wide_rows_fall_back_with_reason():
     assert list(stats.fallbacks) == ["pypto: D=20000: one fp32 row does not fit the 192 KB unified buffer"]
 
 
-def test_unaligned_rows_fall_back_with_reason():
+def test_unaligned_rows_fall_back_with_reason(lenient):
     stats = ops.Stats()
     x = torch.randn(3, 7)
     assert torch.equal(ops.rms_norm(x, None, backend="pypto", stats=stats), reference.rms_norm(x))
@@ -124,7 +124,10 @@ def test_a_failed_compile_does_not_break_later_calls():
         "assert y.shape == x.shape and torch.isfinite(y).all()\n"
         "print('fallbacks:', dict(stats.fallbacks))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    import os
+
+    env = dict(os.environ, PYPTO_GYM_STRICT="0")  # this test is about the fallback
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "compile failed as intended" in proc.stdout
     assert "pypto: disabled after a kernel compile error in this process" in proc.stdout

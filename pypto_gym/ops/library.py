@@ -5,6 +5,10 @@ node per norm (shape from the fake kernel) instead of a graph break, and autogra
 backward formulas so a patched model can be fine-tuned. Outputs are never None in a custom-op
 schema, so the 5-output op returns empty tensors for absent branches and the Python entry point
 maps them back to None.
+
+Each op's kernel is `dispatch.call`, the same function eager calls reach: the backend is chosen
+per call, at run time, also inside a compiled graph. `backend` is the requested backend name and
+`stats` the id of the counters to charge (a patched site's, or 0 for direct calls).
 """
 from __future__ import annotations
 
@@ -13,26 +17,23 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import registry
+from . import dispatch
+from .reference import out_dtype
 
 
-def _run(op, backend, *args):
-    return registry.run(op, registry.get(backend), args)
-
-
-def _out_dtype(x, gamma, cast_mode):
-    return x.dtype if gamma is None or cast_mode == "fp32" else torch.promote_types(x.dtype, gamma.dtype)
+def _run(op, backend, stats, *args):
+    return dispatch.call(op, backend, dispatch.Stats.lookup(stats), args)
 
 
 # ---- rms_norm -----------------------------------------------------------------------------------
 @torch.library.custom_op("pypto_gym::rms_norm", mutates_args=())
-def rms_norm_op(x: Tensor, gamma: Optional[Tensor], eps: float, cast_mode: str, backend: str) -> Tensor:
-    return _run("rms_norm", backend, x, gamma, eps, cast_mode)
+def rms_norm_op(x: Tensor, gamma: Optional[Tensor], eps: float, cast_mode: str, backend: str, stats: int) -> Tensor:
+    return _run("rms_norm", backend, stats, x, gamma, eps, cast_mode)
 
 
 @rms_norm_op.register_fake
-def _(x, gamma, eps, cast_mode, backend):
-    return x.new_empty(x.shape, dtype=_out_dtype(x, gamma, cast_mode))
+def _(x, gamma, eps, cast_mode, backend, stats):
+    return x.new_empty(x.shape, dtype=out_dtype(x, gamma, cast_mode))
 
 
 def rms_norm_backward(gy, x, gamma, eps, cast_mode):
@@ -60,7 +61,7 @@ def rms_norm_backward(gy, x, gamma, eps, cast_mode):
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, gamma, eps, cast_mode, _ = inputs
+    x, gamma, eps, cast_mode, _, _ = inputs
     ctx.save_for_backward(x, gamma)
     ctx.eps, ctx.cast_mode = eps, cast_mode
 
@@ -68,7 +69,7 @@ def _rms_norm_setup(ctx, inputs, output):
 def _rms_norm_bwd(ctx, gy):
     x, gamma = ctx.saved_tensors
     gx, gg = rms_norm_backward(gy, x, gamma, ctx.eps, ctx.cast_mode)
-    return gx, gg, None, None, None
+    return gx, gg, None, None, None, None
 
 
 rms_norm_op.register_autograd(_rms_norm_bwd, setup_context=_rms_norm_setup)
@@ -77,17 +78,17 @@ rms_norm_op.register_autograd(_rms_norm_bwd, setup_context=_rms_norm_setup)
 # ---- add_rms_norm -------------------------------------------------------------------------------
 @torch.library.custom_op("pypto_gym::add_rms_norm", mutates_args=())
 def add_rms_norm_op(x1: Tensor, x2: Tensor, gamma: Optional[Tensor], eps: float, cast_mode: str,
-                    backend: str) -> tuple[Tensor, Tensor]:
-    return _run("add_rms_norm", backend, x1, x2, gamma, eps, cast_mode)
+                    backend: str, stats: int) -> tuple[Tensor, Tensor]:
+    return _run("add_rms_norm", backend, stats, x1, x2, gamma, eps, cast_mode)
 
 
 @add_rms_norm_op.register_fake
-def _(x1, x2, gamma, eps, cast_mode, backend):
-    return x1.new_empty(x1.shape, dtype=_out_dtype(x1, gamma, cast_mode)), torch.empty_like(x1)
+def _(x1, x2, gamma, eps, cast_mode, backend, stats):
+    return x1.new_empty(x1.shape, dtype=out_dtype(x1, gamma, cast_mode)), torch.empty_like(x1)
 
 
 def _add_rms_norm_setup(ctx, inputs, output):
-    _, _, gamma, eps, cast_mode, _ = inputs
+    _, _, gamma, eps, cast_mode, _, _ = inputs
     ctx.save_for_backward(output[1], gamma)
     ctx.eps, ctx.cast_mode = eps, cast_mode
 
@@ -96,7 +97,7 @@ def _add_rms_norm_bwd(ctx, gy, gx_out):
     x_out, gamma = ctx.saved_tensors
     gx, gg = rms_norm_backward(gy, x_out, gamma, ctx.eps, ctx.cast_mode)
     total = gx if gx_out is None else gx + gx_out
-    return total, total, gg, None, None, None
+    return total, total, gg, None, None, None, None
 
 
 add_rms_norm_op.register_autograd(_add_rms_norm_bwd, setup_context=_add_rms_norm_setup)
@@ -105,20 +106,21 @@ add_rms_norm_op.register_autograd(_add_rms_norm_bwd, setup_context=_add_rms_norm
 # ---- quant ops (inference only: integer outputs have no gradient) -------------------------------
 @torch.library.custom_op("pypto_gym::rms_norm_dynamic_quant", mutates_args=())
 def rms_norm_dynamic_quant_op(x: Tensor, gamma: Tensor, smooth_scales: Optional[Tensor], beta: Optional[Tensor],
-                              eps: float, dst_type: str, backend: str) -> tuple[Tensor, Tensor]:
-    return _run("rms_norm_dynamic_quant", backend, x, gamma, smooth_scales, beta, eps, dst_type)
+                              eps: float, dst_type: str, backend: str, stats: int) -> tuple[Tensor, Tensor]:
+    return _run("rms_norm_dynamic_quant", backend, stats, x, gamma, smooth_scales, beta, eps, dst_type)
 
 
 @rms_norm_dynamic_quant_op.register_fake
-def _(x, gamma, smooth_scales, beta, eps, dst_type, backend):
+def _(x, gamma, smooth_scales, beta, eps, dst_type, backend, stats):
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("pypto_gym::add_rms_norm_dynamic_quant", mutates_args=())
 def add_rms_norm_dynamic_quant_op(x1: Tensor, x2: Tensor, gamma: Tensor, smooth_scale1: Optional[Tensor],
                                   smooth_scale2: Optional[Tensor], beta: Optional[Tensor], eps: float,
-                                  dst_type: str, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    y1, y2, x_out, s1, s2 = _run("add_rms_norm_dynamic_quant", backend, x1, x2, gamma, smooth_scale1,
+                                  dst_type: str, backend: str, stats: int
+                                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    y1, y2, x_out, s1, s2 = _run("add_rms_norm_dynamic_quant", backend, stats, x1, x2, gamma, smooth_scale1,
                                  smooth_scale2, beta, eps, dst_type)
     if y2 is None:
         y2, s2 = x1.new_empty((0,), dtype=torch.int8), x1.new_empty((0,), dtype=torch.float32)
@@ -126,9 +128,26 @@ def add_rms_norm_dynamic_quant_op(x1: Tensor, x2: Tensor, gamma: Tensor, smooth_
 
 
 @add_rms_norm_dynamic_quant_op.register_fake
-def _(x1, x2, gamma, smooth_scale1, smooth_scale2, beta, eps, dst_type, backend):
+def _(x1, x2, gamma, smooth_scale1, smooth_scale2, beta, eps, dst_type, backend, stats):
     rows = x1.shape[:-1]
     two = smooth_scale2 is not None
     return (x1.new_empty(x1.shape, dtype=torch.int8),
             x1.new_empty(x1.shape if two else (0,), dtype=torch.int8), torch.empty_like(x1),
             x1.new_empty(rows, dtype=torch.float32), x1.new_empty(rows if two else (0,), dtype=torch.float32))
+
+
+
+def _non_differentiable(op, n_inputs: int) -> None:
+    """Quantisation has no useful gradient: every output is marked non-differentiable, so callers
+    with requires_grad inputs get outputs that do not require grad, not a backward that raises."""
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(*output)
+
+    def backward(ctx, *grads):
+        return (None,) * n_inputs
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+_non_differentiable(rms_norm_dynamic_quant_op, 8)
+_non_differentiable(add_rms_norm_dynamic_quant_op, 10)

@@ -2,13 +2,20 @@
 
 Written straight from the spec so a reader can check them line by line. In `hf` mode
 `rms_norm` is the exact op sequence of transformers' `Qwen2_5_VLRMSNorm.forward`, so a model
-patched on this backend is bit-identical to the unpatched one.
+patched on this backend is bit-identical to the unpatched one. These are checked against
+independent evidence in tests/test_reference.py (the worked examples of the reference
+documents and an fp64 formula), never against themselves.
 """
 from __future__ import annotations
 
 import torch
 
 QUANT_RANGES = {"int8": (127.0, -128.0), "int4": (7.0, -8.0)}
+
+
+def out_dtype(x, gamma, cast_mode):
+    """SPEC 2.1: `hf` promotes with gamma's dtype (as HF's `weight * h`); `fp32` and `none` give x's dtype."""
+    return x.dtype if gamma is None or cast_mode != "hf" else torch.promote_types(x.dtype, gamma.dtype)
 
 
 def _flat_gamma(gamma: torch.Tensor | None, D: int) -> torch.Tensor | None:
@@ -19,6 +26,8 @@ def rms_norm(x, gamma=None, eps=1e-6, cast_mode="hf"):
     D = x.shape[-1]
     g = _flat_gamma(gamma, D)
     input_dtype = x.dtype
+    if cast_mode == "none":
+        return _rms_norm_no_cast(x, g, eps)
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
@@ -28,6 +37,25 @@ def rms_norm(x, gamma=None, eps=1e-6, cast_mode="hf"):
     if g is not None:
         h = h * g.to(torch.float32)
     return h.to(input_dtype)
+
+
+def _rms_norm_no_cast(x, g, eps):
+    """Reference 000's no-cast path: every step's result rounded to x's dtype T, each step evaluated as
+    one fp32 operation (as the vector units do); the sum of squares accumulates exactly:
+    var = T(sum(T(x*x)) / D); r = T(1 / fp32(sqrt(T(var + eps)))); y = T(T(g) * T(x * r)).
+    Each step is computed in float64 and rounded explicitly, because torch's own low-precision ops
+    round differently in their vectorised body and scalar tail (bf16 rsqrt) and its fp32 sqrt is
+    not always correctly rounded: the golden must not depend on the row length."""
+    T, f32, f64 = x.dtype, torch.float32, torch.float64
+
+    def rnd(t):  # an exact (float64) result, rounded as an fp32 operation then a cast to T would round it
+        return t.to(f32).to(T).to(f64)
+
+    xd = x.to(f64)
+    var = rnd(rnd(xd * xd).sum(-1, keepdim=True) / x.shape[-1])
+    r = rnd(1.0 / torch.sqrt(rnd(var + float(torch.tensor(eps, dtype=f32)))).to(f32).to(f64))
+    h = rnd(xd * r)
+    return h.to(T) if g is None else (rnd(g.to(f64)) * h).to(f32).to(T)
 
 
 def add_rms_norm(x1, x2, gamma, eps=1e-6, cast_mode="hf"):

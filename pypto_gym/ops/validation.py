@@ -9,7 +9,7 @@ import math
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-CAST_MODES = ("hf", "fp32")
+CAST_MODES = ("hf", "fp32", "none")
 DST_TYPES = ("int8", "int4")
 
 
@@ -50,12 +50,16 @@ def _check_vector(name: str, t, D: int, x: torch.Tensor, same_dtype: bool) -> No
 
 
 def _check_eps(eps, strictly_positive: bool) -> None:
-    if type(eps) is float and (eps > 0 or (eps == 0 and not strictly_positive)):
+    if type(eps) is float and (0 < eps < math.inf or (eps == 0 and not strictly_positive)):
         return
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise TypeError(f"eps: expected a float, got {type(eps).__name__}")
-    if math.isnan(eps) or eps < 0 or (strictly_positive and eps == 0):
-        expected = "eps > 0" if strictly_positive else "eps >= 0"
+    expected = "a finite eps > 0" if strictly_positive else "a finite eps >= 0"
+    try:
+        value = float(eps)
+    except OverflowError:
+        raise ValueError(f"eps: got an integer with {len(str(abs(eps)))} digits; expected {expected}") from None
+    if not math.isfinite(value) or value < 0 or (strictly_positive and value == 0):
         raise ValueError(f"eps: got {eps}; expected {expected}")
 
 

@@ -2,25 +2,33 @@
 from __future__ import annotations
 
 import contextlib
+import sys
+import warnings
 
 import torch
 
+from .. import config
 from ..ops import registry, validation
-from . import discovery, fusion, switch
+from . import discovery, fusion
 from .report import PatchReport
 from .wrapper import Site, site_of
 
 _STATE_ATTR = "_pypto_gym_patch"
 
 
+class PatchError(ValueError):
+    """patch_model refused: the model is already patched differently, or part of it is."""
+
+
 class PatchState:
     """What patch_model did to one model, kept on the model so unpatch can undo exactly that."""
 
-    def __init__(self, backend, cast_mode, fuse_residual, patterns):
-        self.backend, self.cast_mode, self.fuse_residual, self.patterns = backend, cast_mode, fuse_residual, patterns
+    def __init__(self, options: dict):
+        self.options = options  # backend, sites (normalised globs), fuse_residual, cast_mode
         self.entries: list = []  # Site (patched) or dict (skipped row), in discovery order
         self.layers: list[fusion.FusedLayer] = []
         self.fusion_skipped: list[dict] = []
+        self.unavailable: dict[str, str] = {}  # device type -> why its backend cannot run (said at patch time)
 
     @property
     def sites(self) -> list[Site]:
@@ -28,14 +36,42 @@ class PatchState:
 
     @staticmethod
     def enabled() -> bool:
-        return switch.is_enabled()
+        return config.is_enabled()
 
 
 def _skipped_row(c: discovery.Candidate, reason: str) -> dict:
     w = c.module.weight
-    return {"path": c.path, "kind": c.kind, "status": "skipped", "reason": reason, "backend": None,
+    return {"path": c.path, "paths": c.paths, "kind": c.kind, "status": "skipped", "reason": reason, "backend": None,
             "D": int(w.shape[0]), "eps": c.eps, "dtype": str(w.dtype).replace("torch.", ""), "device": str(w.device),
             "fused_residual": False, "calls": 0, "fallbacks": {}}
+
+
+def _options(backend, sites, fuse_residual, cast_mode) -> dict:
+    """The validated patch options; every refusal names the argument."""
+    backend = registry.default_backend() if backend is None else registry.check_name(backend)
+    if not isinstance(fuse_residual, bool):
+        raise TypeError(f"fuse_residual: got {fuse_residual!r} ({type(fuse_residual).__name__}); expected True or False")
+    if cast_mode not in validation.CAST_MODES:
+        raise ValueError(f"cast_mode: got {cast_mode!r}; expected one of {', '.join(map(repr, validation.CAST_MODES))}")
+    return {"backend": backend, "sites": discovery.parse_sites(sites), "fuse_residual": fuse_residual,
+            "cast_mode": cast_mode}
+
+
+def _refuse_nested(model) -> None:
+    """A model containing another patch (inner model patched first) or contained in one (outer first)."""
+    for path, module in model.named_modules():
+        if path and _STATE_ATTR in module.__dict__:
+            opts = module.__dict__[_STATE_ATTR].options
+            raise PatchError(f"patch_model: submodule {path!r} is already patched ({_describe(opts)}); "
+                             f"unpatch_model(model.get_submodule({path!r})) first, or patch only one of the two")
+        site = site_of(module)
+        if site is not None:
+            raise PatchError(f"patch_model: {path or 'the model'} is a norm already patched as {site.path!r} by "
+                             f"patch_model on a model that contains this one; unpatch that model first")
+
+
+def _describe(options: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in options.items())
 
 
 def _fuse_layers(model, state: PatchState) -> None:
@@ -50,11 +86,30 @@ def _fuse_layers(model, state: PatchState) -> None:
             if kinds & {"text.post_attention_layernorm", "vision.norm2"}:
                 state.fusion_skipped.append({"path": path, "reason": reason})
             continue
-        layer = fusion.FusedLayer(path, module, fused)
-        layer.install(fn)
+        layer = fusion.FusedLayer(path, module, norms, fused)
+        layer.install()
         state.layers.append(layer)
-        for name in fused:
-            site_of(getattr(module, name)).fused = True
+
+
+def _say_unavailable(state: PatchState) -> None:
+    """A backend that cannot build/load is reported once, loudly, at patch time (raised when strict)."""
+    for device_type in sorted({_execution_device(site.module) for site in state.sites}):
+        reason = registry.prepare(state.options["backend"], device_type)  # builds/loads kernels now
+        if reason is None:
+            continue
+        state.unavailable[device_type] = reason
+        message = (f"pypto-gym: backend {state.options['backend']!r} cannot run on {device_type}: {reason}; "
+                   f"every norm call there will fall back to torch")
+        if config.is_strict():
+            raise RuntimeError(message + " (strict mode)")
+        print(message, file=sys.stderr, flush=True)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _execution_device(module) -> str:
+    """Where the norm computes: accelerate's execution device for offloaded modules, else its weight's device."""
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    return torch.device(device).type if device is not None else module.weight.device.type
 
 
 def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, fuse_residual: bool = True,
@@ -62,57 +117,72 @@ def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, 
     """Swap every RMSNorm site of `model` for the fused op; returns the live report.
 
     backend: "auto" (default, or $PYPTO_GYM_BACKEND), "torch", "cpu", "npu" or "pypto".
-    sites: globs over kinds or paths ("text.*,vision.merger.ln_q"); None = every site.
+    sites: globs over kinds or paths ("text.*,vision.merger.ln_q" or a list); None = every site.
     fuse_residual: also fuse `residual + h` into the following norm where the layer is recognised.
-    Patching an already patched model returns its existing report and changes nothing.
+    Patching an already patched model with the same options returns its report and changes
+    nothing; with other options it raises (unpatch first). A model that contains a patched
+    model, or is part of one, is refused with the other patch named.
     """
-    existing = getattr(model, _STATE_ATTR, None)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: got {type(model).__name__}; expected a torch.nn.Module")
+    config.STATE.load()
+    options = _options(backend, sites, fuse_residual, cast_mode)
+    existing = model.__dict__.get(_STATE_ATTR)
     if existing is not None:
+        if existing.options != options:
+            raise PatchError(f"patch_model: model is already patched with {_describe(existing.options)}; got "
+                             f"{_describe(options)}. Call unpatch_model(model) first to patch it differently.")
         return PatchReport(existing)
-    backend = registry.default_backend() if backend is None else backend
-    registry.get(backend) if backend != "auto" else None  # unknown name -> ValueError naming `backend`
-    if cast_mode not in validation.CAST_MODES:
-        raise ValueError(f"cast_mode: got {cast_mode!r}; expected one of 'hf', 'fp32'")
-    patterns = discovery.parse_sites(sites)
-    state = PatchState(backend, cast_mode, fuse_residual, patterns)
+    _refuse_nested(model)
+    state = PatchState(options)
+    patterns = options["sites"]
     for cand in discovery.find_candidates(model):
         if not cand.is_rms:
             state.entries.append(_skipped_row(cand, cand.reason))
         elif not discovery.selected(cand, patterns):
             state.entries.append(_skipped_row(cand, f"not selected by sites={','.join(patterns)}"))
         else:
-            site = Site(cand.path, cand.kind, cand.module, cand.eps, backend, cast_mode)
+            site = Site(cand.paths, cand.kind, cand.module, cand.eps, options["backend"], cast_mode)
             site.install()
             state.entries.append(site)
-    for device_type in {site.module.weight.device.type for site in state.sites}:
-        registry.prepare(backend, device_type)  # build/load kernels now, not in the first forward
-    if fuse_residual:
-        _fuse_layers(model, state)
-    object.__setattr__(model, _STATE_ATTR, state)
+    try:
+        _say_unavailable(state)
+        if fuse_residual:
+            _fuse_layers(model, state)
+    except BaseException:
+        _undo(state)
+        raise
+    model.__dict__[_STATE_ATTR] = state
     return PatchReport(state)
 
 
-def unpatch_model(model: torch.nn.Module) -> None:
-    """Restore every patched module and layer forward exactly; a no-op on an unpatched model."""
-    state = model.__dict__.pop(_STATE_ATTR, None)
-    if state is None:
-        return
+def _undo(state: PatchState) -> None:
     for layer in state.layers:
         layer.uninstall()
     for site in state.sites:
         site.uninstall()
 
 
+def unpatch_model(model: torch.nn.Module) -> None:
+    """Restore every patched module and layer forward exactly; a no-op on an unpatched model."""
+    state = model.__dict__.pop(_STATE_ATTR, None)
+    if state is not None:
+        _undo(state)
+
+
 def patch_report(model: torch.nn.Module) -> PatchReport | None:
     """The live report of a patched model (None if it is not patched)."""
-    state = getattr(model, _STATE_ATTR, None)
+    state = model.__dict__.get(_STATE_ATTR)
     return None if state is None else PatchReport(state)
 
 
 @contextlib.contextmanager
 def patched(model: torch.nn.Module, **kwargs):
-    """Patch for the duration of a `with` block; unpatched on exit (also on exception)."""
-    already = getattr(model, _STATE_ATTR, None) is not None
+    """Patch for the duration of a `with` block; unpatched on exit (also on exception).
+
+    On a model already patched with the same options it leaves that patch in place on exit.
+    """
+    already = model.__dict__.get(_STATE_ATTR) is not None
     report = patch_model(model, **kwargs)
     try:
         yield report

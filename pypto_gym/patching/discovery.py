@@ -29,6 +29,11 @@ class Candidate:
     eps: float | None
     is_rms: bool
     reason: str = ""
+    aliases: tuple = ()  # further paths of the same module object (a norm shared by two parents)
+
+    @property
+    def paths(self) -> list[str]:
+        return [self.path, *self.aliases]
 
 
 def site_kind(path: str) -> str:
@@ -93,6 +98,8 @@ def classify(path: str, module) -> Candidate | None:
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
         return None
     kind = site_kind(path)
+    if module._parameters.get("weight") is not weight:
+        return Candidate(path, module, kind, eps, False, "weight is not a registered nn.Parameter")
     if weight.is_meta and getattr(module, "_hf_hook", None) is None:
         name = type(module).__name__
         ok = name.endswith("RMSNorm") and "Gemma" not in name
@@ -103,24 +110,39 @@ def classify(path: str, module) -> Candidate | None:
 
 
 def find_candidates(model: torch.nn.Module) -> list[Candidate]:
+    """Every norm-shaped module once, with every path it is reachable by (shared modules have several)."""
+    paths: dict[int, list[str]] = {}
+    modules = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(path)
+        modules[id(module)] = module
     out = []
-    for path, module in model.named_modules():
-        cand = classify(path, module)
+    for key, module_paths in paths.items():
+        cand = classify(module_paths[0], modules[key])
         if cand is not None:
+            cand.aliases = tuple(module_paths[1:])
             out.append(cand)
     return out
 
 
 def selected(candidate: Candidate, patterns: list[str] | None) -> bool:
-    """Glob selection by kind (`text.*`) or by module path (`*.merger.ln_q`)."""
+    """Glob selection by kind (`text.*`) or by any of the module's paths (`*.merger.ln_q`)."""
     if not patterns:
         return True
-    return any(fnmatch.fnmatchcase(candidate.kind, p) or fnmatch.fnmatchcase(candidate.path, p) for p in patterns)
+    names = [candidate.kind, *candidate.paths, *(site_kind(p) for p in candidate.aliases)]
+    return any(fnmatch.fnmatchcase(name, p) for name in names for p in patterns)
 
 
 def parse_sites(sites) -> list[str] | None:
-    if sites is None or sites == "":
+    """`sites=`: None, a comma-separated string of globs, or a list/tuple of glob strings."""
+    if sites is None:
         return None
-    items = sites.split(",") if isinstance(sites, str) else list(sites)
-    items = [s.strip() for s in items if s and s.strip()]
+    if isinstance(sites, str):
+        items = sites.split(",")
+    elif isinstance(sites, (list, tuple)) and all(isinstance(s, str) for s in sites):
+        items = list(sites)
+    else:
+        raise TypeError(f"sites: got {sites!r} ({type(sites).__name__}); expected None, a comma-separated string "
+                        f"of globs, or a list of glob strings")
+    items = [s.strip() for s in items if s.strip()]
     return items or None

@@ -5,28 +5,46 @@ copies of them) differ between versions in arguments and return values, so rathe
 hand-written copy per class and version, the layer's own `forward` source is parsed and two
 statement patterns are rewritten; everything else stays verbatim:
 
-  decoder:  H = R + H ; R = H ; ... self.NORM(H) ...   ->  __n, R = self.NORM(H, residual=R) ; H = R ; ... __n ...
-  vision:   H = H + E ; ... self.NORM(H) ...           ->  __n, H = self.NORM(E, residual=H) ; ... __n ...
+  decoder:  H = R + H ; R = H ; ... self.NORM(H) ...   ->  __n, R = add_norm(self.NORM, H, R) ; H = R ; ... __n ...
+  vision:   H = H + E ; ... self.NORM(H) ...           ->  __n, H = add_norm(self.NORM, E, H) ; ... __n ...
 
-NORM must be a patched site (its wrapper accepts `residual`). A class whose forward has neither
+NORM must be a patched site. `add_norm` (wrapper.py) reaches the rewritten code as a closure
+variable: the function keeps the layer module's own globals (live, so a later monkeypatch of
+that module is still seen) and nothing is added to them. A class whose forward has neither
 pattern, or whose source cannot be read or recompiled, is left alone and the reason reported.
-The rewritten function is compiled once per class in the class's own module globals.
+
+A rewrite must not change a layer's result unnoticed: the first eager call of each rewritten
+class runs the original and the rewritten forward on copies of the same inputs, both on the
+reference backend with torch hooks set aside, and compares them. On a mismatch (or if the check
+cannot run) every layer of that class goes back to its original forward, with the reason in the
+report. The installed forward is a `functools.partial` of a module-level function, so a patched
+model pickles and comes back fused.
 """
 from __future__ import annotations
 
 import ast
+import contextlib
+import copy
+import functools
 import inspect
 import textwrap
-import types
 
 import torch
 
+from .. import ops
+from ..ops.dispatch import Stats
+from .wrapper import add_norm, site_of
+
 _FUSED_NAME = "_pypto_gym_normed"
+_HELPER = "_pypto_gym_add_norm"
+_LAYER_SLOT = "_pypto_gym_fused_layer"
 # Decorators that only write docstrings (and re-read the source file, which an exec'd function
 # has not got); every other decorator, e.g. deprecate_kwarg, is kept.
 _DOC_ONLY_DECORATORS = {"auto_docstring", "add_start_docstrings", "add_start_docstrings_to_model_forward",
                         "replace_return_docstrings", "add_code_sample_docstrings"}
-_cache: dict = {}
+CHECK_REL_TOL = 2e-2  # of the output's magnitude: above nondeterminism, far below a wrong rewrite
+_cache: dict = {}  # (class, norms) -> (function, fused names, reason)
+_verified: dict = {}  # (class, norms) -> True, or the reason the rewrite was rejected
 
 
 def _name(node, ident=None) -> bool:
@@ -48,8 +66,10 @@ def _norm_call(stmt, h: str, norms: set) -> ast.Call | None:
 
 
 def _fused_call(norm: str, hidden: ast.expr, residual: str, target: str) -> ast.Assign:
-    call = ast.Call(func=ast.Attribute(value=ast.Name("self", ast.Load()), attr=norm, ctx=ast.Load()),
-                    args=[hidden], keywords=[ast.keyword("residual", ast.Name(residual, ast.Load()))])
+    """`__n, target = add_norm(self.NORM, hidden, residual)`."""
+    call = ast.Call(func=ast.Name(_HELPER, ast.Load()),
+                    args=[ast.Attribute(value=ast.Name("self", ast.Load()), attr=norm, ctx=ast.Load()), hidden,
+                          ast.Name(residual, ast.Load())], keywords=[])
     tup = ast.Tuple([ast.Name(_FUSED_NAME, ast.Store()), ast.Name(target, ast.Store())], ast.Store())
     return ast.Assign(targets=[tup], value=call)
 
@@ -75,8 +95,8 @@ def rewrite_body(body: list, norms: set) -> tuple[list, list]:
             nxt, call_stmt = body[i + 1], body[i + 2]
             call = _norm_call(call_stmt, h, norms) if _assign_to(nxt) == r and _name(nxt.value, h) else None
             if call is not None and r != h:
-                hidden_first = add.right.id == h  # keep the operand order of the original add
-                res, hid = (r, h) if hidden_first else (h, r)
+                # x_out = residual + hidden keeps the original operand order: `R + H` or `H + R`
+                hid, res = (h, r) if add.right.id == h else (r, h)
                 out.append(_fused_call(call.func.attr, ast.Name(hid, ast.Load()), res, r))
                 out.append(ast.Assign(targets=[ast.Name(h, ast.Store())], value=ast.Name(r, ast.Load())))
                 out.append(_ReplaceCall(call).visit(call_stmt))
@@ -126,29 +146,148 @@ def _build(cls, norms):
     fdef.body, fused = rewrite_body(fdef.body, set(norms))
     if not fused:
         return None, [], f"{cls.__name__}.forward has no residual-add + norm pattern"
-    ast.fix_missing_locations(tree)
+    # def _pypto_gym_make(_pypto_gym_add_norm): <rewritten def>; return <name>  -- the helper is a closure cell
+    maker = ast.FunctionDef(name="_pypto_gym_make", args=ast.arguments(
+        posonlyargs=[], args=[ast.arg(_HELPER)], kwonlyargs=[], kw_defaults=[], defaults=[]),
+        body=[fdef, ast.Return(ast.Name(fdef.name, ast.Load()))], decorator_list=[], returns=None, type_params=[])
+    module = ast.fix_missing_locations(ast.Module(body=[maker], type_ignores=[]))
     namespace: dict = {}
     try:
-        code = compile(tree, f"<pypto_gym fused {cls.__module__}.{cls.__qualname__}.forward>", "exec")
-        exec(code, code_fn.__globals__, namespace)  # noqa: S102 - recompiling the class's own source
+        code = compile(module, f"<pypto_gym fused {cls.__module__}.{cls.__qualname__}.forward>", "exec")
+        exec(code, code_fn.__globals__, namespace)  # noqa: S102 - the class's own source; defines into namespace only
     except Exception as e:  # noqa: BLE001
         return None, [], f"rewritten {cls.__name__}.forward failed to compile ({type(e).__name__}: {e})"
-    return namespace[fdef.name], fused, ""
+    return namespace["_pypto_gym_make"](add_norm), fused, ""
 
 
 class FusedLayer:
     """A layer whose forward was swapped for the fused rewrite (restored exactly by uninstall)."""
 
-    def __init__(self, path: str, module: torch.nn.Module, fused: list):
-        self.path, self.module, self.fused = path, module, fused
+    def __init__(self, path: str, module: torch.nn.Module, norms: frozenset, fused: list):
+        self.path, self.module, self.norms, self.fused = path, module, norms, fused
         self._attr = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
         self._saved = module.__dict__.get(self._attr)
+        self._fn = None
 
-    def install(self, fn) -> None:
-        setattr(self.module, self._attr, types.MethodType(fn, self.module))
+    def __getstate__(self):  # the compiled function is rebuilt from the class's source after unpickling
+        return dict(self.__dict__, _fn=None)
+
+    @property
+    def key(self):
+        return type(self.module), self.norms
+
+    @property
+    def function(self):
+        if self._fn is None:
+            self._fn = fused_forward(type(self.module), self.norms)[0]
+        return self._fn
+
+    @property
+    def rejected(self) -> str | None:
+        """Why the numerical check rejected this class's rewrite (None if accepted or not yet checked)."""
+        status = _verified.get(self.key)
+        return status if isinstance(status, str) else None
+
+    def original(self, *args, **kwargs):
+        if self._saved is not None:
+            return self._saved(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def install(self) -> None:
+        setattr(self.module, self._attr, functools.partial(fused_layer_forward, self.module))
+        self.module.__dict__[_LAYER_SLOT] = self
+        for name in self.fused:
+            site_of(getattr(self.module, name)).fused = True
 
     def uninstall(self) -> None:
         if self._saved is None:
             self.module.__dict__.pop(self._attr, None)
         else:
             setattr(self.module, self._attr, self._saved)
+        self.module.__dict__.pop(_LAYER_SLOT, None)
+
+    def verify(self, args, kwargs):
+        """Compare the rewritten forward with the original on copies of this call's inputs; cache the verdict."""
+        try:
+            diff, scale = _compare_forwards(self, args, kwargs)
+            ok = diff <= CHECK_REL_TOL * max(scale, 1e-6)
+            verdict = True if ok else (f"numerical check failed: the rewritten forward differs from the original "
+                                       f"(max abs diff {diff:.3g}, output scale {scale:.3g})")
+        except Exception as e:  # noqa: BLE001 - an unverifiable rewrite is not used
+            verdict = f"numerical check could not run ({type(e).__name__}: {str(e).splitlines()[0][:100]})"
+        _verified[self.key] = verdict
+        if verdict is not True:
+            for name in self.fused:
+                site_of(getattr(self.module, name)).fused = False
+        return verdict
+
+
+def fused_layer_forward(module, *args, **kwargs):
+    """The forward of every fused layer: the rewrite once its class passed the check, else the original."""
+    layer = module.__dict__[_LAYER_SLOT]
+    verdict = _verified.get(layer.key)
+    if verdict is None and not torch.compiler.is_compiling():
+        verdict = layer.verify(args, kwargs)
+    if verdict is None or verdict is True:
+        return layer.function(module, *args, **kwargs)
+    for name in layer.fused:  # a layer of a rejected class met for the first time
+        site_of(getattr(module, name)).fused = False
+    return layer.original(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _reference_and_no_hooks(module):
+    """Inside `module`: sites on the torch backend with scratch counters, torch hooks set aside."""
+    from torch.nn.modules import module as nn_module
+
+    sites = [s for s in (site_of(m) for m in module.modules()) if s is not None]
+    saved_sites = [(s, s.call, s.hook_bypass) for s in sites]
+    hook_dicts = [d for m in module.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
+    hook_dicts += [nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks]
+    saved_hooks = [(d, dict(d)) for d in hook_dicts]
+    try:
+        for s in sites:
+            c = s.call
+            s.call = ops.BoundNorm(s.module.weight, c.eps, c.cast_mode, "torch", Stats())
+        for d in hook_dicts:
+            d.clear()
+        yield
+    finally:
+        for s, call, bypass in saved_sites:
+            s.call, s.hook_bypass = call, bypass
+        for d, items in saved_hooks:
+            d.update(items)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def _compare_forwards(layer: FusedLayer, args, kwargs) -> tuple[float, float]:
+    """(max abs difference, max abs value) between the original and rewritten outputs, same inputs and RNG."""
+    module = layer.module
+    with _reference_and_no_hooks(module), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        rng = torch.random.get_rng_state()
+        ref = list(_tensors(layer.original(*copy.deepcopy(args), **copy.deepcopy(kwargs))))
+        torch.random.set_rng_state(rng)
+        got = list(_tensors(layer.function(module, *copy.deepcopy(args), **copy.deepcopy(kwargs))))
+    if len(ref) != len(got) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(ref, got)):
+        return float("inf"), 0.0
+    diff = scale = 0.0
+    for a, b in zip(ref, got):
+        if not a.numel() or not a.is_floating_point():
+            diff = diff if torch.equal(a, b) else float("inf")
+            continue
+        a, b = a.double(), b.double()
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        d = torch.where(same, 0.0, (a - b).abs().nan_to_num(nan=float("inf")))
+        diff = max(diff, float(d.max()))
+        scale = max(scale, float(a.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs().max()))
+    return diff, scale

@@ -1,4 +1,8 @@
-"""The patch report: every candidate site, what happened to it and why, with live counters."""
+"""The patch report: every candidate site, what happened to it and why, with live counters.
+
+`backend` in a site row is what actually produced that site's results ("cpu", or "cpu+torch"
+when some calls fell back), not what was asked for (`requested_backend`).
+"""
 from __future__ import annotations
 
 from collections import Counter
@@ -12,34 +16,48 @@ class PatchReport:
 
     def to_json(self) -> dict:
         st = self._state
-        sites = [e if isinstance(e, dict) else e.row() for e in st.entries]
+        sites = [dict(e) if isinstance(e, dict) else e.row() for e in st.entries]
         patched = [r for r in sites if r["status"] == "patched"]
-        fallbacks = Counter()
+        fallbacks, ran = Counter(), Counter()
         for r in patched:
             fallbacks.update(r["fallbacks"])
+            ran.update(r["ran_on"])
+        layers = [layer for layer in st.layers if layer.rejected is None]
+        rejected = [{"path": layer.path, "reason": layer.rejected} for layer in st.layers if layer.rejected]
         return {
-            "backend": st.backend, "cast_mode": st.cast_mode, "enabled": st.enabled(),
-            "fuse_residual": st.fuse_residual, "sites_filter": st.patterns,
+            **st.options, "enabled": st.enabled(),
             "summary": {"candidates": len(sites), "patched": len(patched), "skipped": len(sites) - len(patched),
-                        "fused_layers": len(st.layers), "calls": sum(r["calls"] for r in patched),
-                        "fallbacks": dict(fallbacks)},
+                        "fused_layers": len(layers), "calls": sum(r["calls"] for r in patched),
+                        "ran_on": dict(ran), "fallbacks": dict(fallbacks),
+                        "fusion_bypassed": sum(r["fusion_bypassed"] for r in patched),
+                        "backend_unavailable": dict(st.unavailable)},
             "sites": sites,
-            "fused_layers": [{"path": l.path, "norms": l.fused} for l in st.layers],
-            "fusion_skipped": [dict(r) for r in st.fusion_skipped],
+            "fused_layers": [{"path": layer.path, "norms": layer.fused} for layer in layers],
+            "fusion_skipped": [dict(r) for r in st.fusion_skipped] + rejected,
         }
 
     def __str__(self) -> str:
         d = self.to_json()
         s = d["summary"]
+        ran = ", ".join(f"{k} x{v}" for k, v in s["ran_on"].items()) or "none yet"
         lines = [f"pypto-gym patch report: {s['patched']}/{s['candidates']} norm sites patched, "
                  f"backend={d['backend']}, cast_mode={d['cast_mode']}, enabled={d['enabled']}, "
-                 f"fused layers={s['fused_layers']}, calls={s['calls']}, fallbacks={sum(s['fallbacks'].values())}"]
-        header = f"{'path':<52} {'kind':<30} {'status':<8} {'D':>5} {'dtype':<9} {'fused':<5} {'calls':>6}  fallbacks / reason"
+                 f"fused layers={s['fused_layers']}, calls={s['calls']} (ran on: {ran}), "
+                 f"fallbacks={sum(s['fallbacks'].values())}"]
+        for device, reason in s["backend_unavailable"].items():
+            lines.append(f"backend unavailable on {device}: {reason}")
+        header = (f"{'path':<52} {'kind':<30} {'status':<8} {'D':>5} {'dtype':<9} {'backend':<10} {'fused':<5} "
+                  f"{'calls':>6}  fallbacks / reason")
         lines += [header, "-" * len(header)]
         for r in d["sites"]:
-            extra = r["reason"] or ", ".join(f"{k} x{v}" for k, v in r.get("fallbacks", {}).items())
+            notes = [r["reason"]] if r["reason"] else [f"{k} x{v}" for k, v in r.get("fallbacks", {}).items()]
+            if r.get("fusion_bypassed"):
+                notes.append(f"fusion bypassed x{r['fusion_bypassed']} (the norm has hooks)")
+            if len(r["paths"]) > 1:
+                notes.append("also at " + ", ".join(r["paths"][1:]))
             lines.append(f"{r['path']:<52} {r['kind']:<30} {r['status']:<8} {r['D']:>5} {r['dtype']:<9} "
-                         f"{'yes' if r.get('fused_residual') else '':<5} {r.get('calls', 0):>6}  {extra}")
+                         f"{r['backend'] or '':<10} {'yes' if r.get('fused_residual') else '':<5} "
+                         f"{r.get('calls', 0):>6}  {'; '.join(notes)}")
         for r in d["fusion_skipped"]:
             lines.append(f"residual fusion skipped at {r['path']}: {r['reason']}")
         return "\n".join(lines)

@@ -3,37 +3,62 @@
 Nothing about the module changes but its instance `forward`: same class, same Parameter object
 (state_dict keys and `save_pretrained` output unchanged), same torch hooks. If accelerate has
 already wrapped the forward (device_map / offload), its inner `_old_forward` is swapped instead,
-so its hooks keep moving weights and activations. The wrapped forward also takes an optional
-`residual`: a fused decoder layer calls `norm(h, residual=r)` and gets `(norm(r + h), r + h)`.
+so its hooks keep moving weights and activations. The installed forward is a
+`functools.partial` of a module-level function, so a patched model pickles, deep-copies and
+`torch.save`s like any model; its state is the module's own `Site`.
+
+A fused layer (fusion.py) calls `add_norm(norm, hidden, residual)` where the original did
+`residual + hidden` and then `norm(...)`. It runs one `add_rms_norm`, unless the norm has torch
+hooks: then it adds and calls the norm normally, so hooks see exactly what they see unpatched
+(one tensor in, the normalised input; one tensor out), and the bypass is counted for the report.
 """
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
+from torch.nn.modules import module as _nn_module
 
-from .. import ops
-from ..ops.registry import Stats
-from . import switch
+from .. import config, ops
+from ..ops.dispatch import Stats
 
 _SLOT = "_pypto_gym_site"
+_STATE = config.STATE  # the master switch, read on every call
 
 
 class Site:
-    """One patched norm: where it is, how it runs, and its live counters."""
+    """One patched norm: where it is (every path it is reachable by), how it runs, live counters."""
 
-    def __init__(self, path, kind, module, eps, backend, cast_mode):
-        self.path, self.kind, self.module, self.eps = path, kind, module, eps
-        self.backend, self.cast_mode = backend, cast_mode
-        self.stats = Stats()
+    def __init__(self, paths, kind, module, eps, backend, cast_mode):
+        self.paths, self.kind, self.module, self.eps = list(paths), kind, module, eps
+        self.requested_backend = backend
+        self.call = ops.BoundNorm(module.weight, eps, cast_mode, backend, Stats())  # what every call runs
         self.fused = False
+        self.hook_bypass = 0  # fused calls that ran unfused because the norm had hooks
         self._attr = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
         self._saved = module.__dict__.get(self._attr)  # accelerate's inner forward, or None
-        self.original_forward = self._saved if self._saved is not None else module.forward
+
+    def __setstate__(self, state):  # unpickled in a new process: read the switches before the first call
+        self.__dict__.update(state)
+        config.STATE.load()
+
+    @property
+    def path(self) -> str:
+        return self.paths[0]
+
+    @property
+    def stats(self) -> Stats:
+        return self.call.stats
+
+    def original(self, hidden_states):
+        """The module's own math (accelerate's inner forward, or its class's forward)."""
+        if self._saved is not None:
+            return self._saved(hidden_states)
+        return type(self.module).forward(self.module, hidden_states)
 
     def install(self) -> None:
-        setattr(self.module, self._attr, types.MethodType(patched_forward, self.module))
-        setattr(self.module, _SLOT, self)
+        setattr(self.module, self._attr, functools.partial(patched_forward, self.module))
+        self.module.__dict__[_SLOT] = self
 
     def uninstall(self) -> None:
         if self._saved is None:
@@ -44,26 +69,45 @@ class Site:
 
     def row(self) -> dict:
         w = self.module.weight
-        return {"path": self.path, "kind": self.kind, "status": "patched", "reason": "",
-                "backend": self.stats.backend or self.backend, "D": int(w.shape[0]), "eps": self.eps,
-                "dtype": str(w.dtype).replace("torch.", ""), "device": str(w.device), "fused_residual": self.fused,
-                "calls": self.stats.calls, "fallbacks": dict(self.stats.fallbacks)}
+        stats = self.stats
+        return {"path": self.path, "paths": list(self.paths), "kind": self.kind, "status": "patched", "reason": "",
+                "backend": stats.backend or self.requested_backend, "requested_backend": self.requested_backend,
+                "D": int(w.shape[0]),
+                "eps": self.eps, "dtype": str(w.dtype).replace("torch.", ""), "device": str(w.device),
+                "fused_residual": self.fused, "fusion_bypassed": self.hook_bypass, "calls": stats.calls,
+                "ran_on": dict(stats.ran), "fallbacks": dict(stats.fallbacks)}
 
 
-def patched_forward(self, hidden_states, residual=None):
-    """The forward of every patched norm. State comes from the module's own Site, not a closure,
-    so a deep-copied patched model gets its own counters and its own original forward."""
-    site = self.__dict__[_SLOT]
-    if not switch._enabled:
+def patched_forward(module, hidden_states, residual=None):
+    """The forward of every patched norm; with `residual`, returns (norm(residual + h), residual + h)."""
+    site = module.__dict__[_SLOT]
+    if _STATE.enabled:
         if residual is None:
-            return site.original_forward(hidden_states)
-        x_out = residual + hidden_states
-        return site.original_forward(x_out), x_out
+            return site.call.rms_norm(hidden_states, module._parameters["weight"])
+        return site.call.add_rms_norm(residual, hidden_states, module._parameters["weight"])
     if residual is None:
-        return ops.rms_norm(hidden_states, self.weight, site.eps, cast_mode=site.cast_mode, backend=site.backend,
-                            stats=site.stats)
-    return ops.add_rms_norm(residual, hidden_states, self.weight, site.eps, cast_mode=site.cast_mode,
-                            backend=site.backend, stats=site.stats)
+        return site.original(hidden_states)
+    x_out = residual + hidden_states
+    return site.original(x_out), x_out
+
+
+def has_hooks(module: torch.nn.Module) -> bool:
+    """True when calling the module's forward directly would skip a torch hook someone registered."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or _nn_module._global_forward_hooks
+                or _nn_module._global_forward_pre_hooks or _nn_module._global_backward_hooks
+                or _nn_module._global_backward_pre_hooks)
+
+
+def add_norm(norm: torch.nn.Module, hidden, residual):
+    """`x_out = residual + hidden; return norm(x_out), x_out`, as one fused op where nothing observes the norm."""
+    site = norm.__dict__.get(_SLOT)
+    if site is None or has_hooks(norm):
+        if site is not None:
+            site.hook_bypass += 1
+        x_out = residual + hidden
+        return norm(x_out), x_out
+    return norm.forward(hidden, residual=residual)
 
 
 def site_of(module: torch.nn.Module) -> Site | None:

@@ -1,55 +1,152 @@
 """The `cpu` backend: fused C++ kernels (csrc/rms_norm_cpu.cpp), built once per machine and cached.
 
 Why C++ rather than torch.compile: one build serves every dtype, D and row count (no recompiles,
-no guard overhead at one row), and a call is a single pybind hop. The build takes about a minute
-on two cores the first time; afterwards torch's extension loader finds it in the cache directory
-(PYPTO_GYM_CACHE, default ~/.cache/pypto_gym) unless the source changed.
+no guard overhead at one row). Why a pybind call rather than registering the kernels with the
+dispatcher (TORCH_LIBRARY): measured on [1, 1, 2048] bf16, calling the same kernel through
+`torch.ops` costs ~1.2 us more per call than through pybind (scripts/bench.py ops prints both),
+and the op layer's own custom ops already make the computation visible to torch.compile/autograd.
+
+The source is compiled for one instruction-set level (hardware.ISA_LEVELS): the best the CPU
+runs, unless a level is asked for (benchmarks compare them). Builds are cached under
+$PYPTO_GYM_CACHE (default ~/.cache/pypto_gym) in a folder keyed by the level, the flags, the
+source, the torch build and the Python, so a home directory shared by different CPUs or venvs
+never loads a build made for another. The build uses the ninja this package depends on (not
+whatever `ninja` is on PATH), and a build killed half-way cannot block later ones: the lock is an
+OS file lock, released when its process dies, and torch's own lock file, if left behind, is
+removed with a message.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import sys
 import time
 from pathlib import Path
 
-
+from ... import hardware
 from ..reference import QUANT_RANGES
-from ..registry import Backend, register
+from ..registry import GAMMA_INDEX, Backend, register
 from ..validation import FLOAT_DTYPES
 
 SOURCE = Path(__file__).with_name("csrc") / "rms_norm_cpu.cpp"
+ISA_FLAGS = {
+    "avx512bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "generic": [],
+}
+CFLAGS = ["-O3", "-fopenmp"]
+LOCK_WAIT_S = 900  # a live build takes under a minute; past this, say so instead of waiting forever
+MODES = {"hf": 0, "fp32": 1, "none": 2}
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("PYPTO_GYM_CACHE", Path.home() / ".cache" / "pypto_gym"))
 
 
+def build_dir(isa: str) -> Path:
+    import torch
+
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS + ISA_FLAGS[isa]), torch.__version__,
+                                    torch.__file__, sys.version]).encode()).hexdigest()[:16]
+    return cache_dir() / f"cpu_kernels-{isa}-{key}"
+
+
+@contextlib.contextmanager
+def _package_ninja():
+    """Put the ninja this package depends on first on PATH while torch builds (a venv used without
+    activation has it only in its own bin/, and two ninja versions distrust each other's logs)."""
+    try:
+        import ninja
+
+        ninja_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        yield
+        return
+    saved = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja_dir + os.pathsep + saved
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path):
+    """An exclusive OS lock on the build folder (freed by the kernel if its holder dies)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock file is all there is
+        yield
+        return
+    with open(folder / ".pypto_gym.lock", "a+") as handle:
+        start, said = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not said:
+                    print(f"pypto-gym: another process is building the cpu kernels in {folder}; waiting...",
+                          file=sys.stderr, flush=True)
+                    said = True
+                if time.monotonic() - start > LOCK_WAIT_S:
+                    raise TimeoutError(f"cpu kernel build lock {folder / '.pypto_gym.lock'} held for over "
+                                       f"{LOCK_WAIT_S} s by another process") from None
+                time.sleep(0.5)
+        stale = folder / "lock"  # torch's FileBaton: it waits forever on a file a killed build left
+        if stale.exists():
+            print(f"pypto-gym: removing {stale}, left by a build that was killed; building again",
+                  file=sys.stderr, flush=True)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build(isa: str):
+    """Build (first time for this level and source) or load the kernels; returns the module."""
+    from torch.utils.cpp_extension import load
+
+    folder = build_dir(isa)
+    with build_lock(folder):
+        if not any(folder.glob("*.so")):
+            print(f"pypto-gym: building the fused CPU kernels for {isa} (once per machine, ~1 min)...",
+                  file=sys.stderr, flush=True)
+        with _package_ninja():
+            module = load(name=f"pypto_gym_cpu_{isa}", sources=[str(SOURCE)], build_directory=str(folder),
+                          extra_cflags=CFLAGS + ISA_FLAGS[isa], extra_ldflags=["-fopenmp"], verbose=False)
+    if module.isa() != isa:
+        raise RuntimeError(f"cpu kernels in {folder} were compiled for {module.isa()}, not {isa}")
+    return module
+
+
 class CpuBackend(Backend):
-    name = "cpu"
     devices = ("cpu",)
 
-    def __init__(self):
+    def __init__(self, isa: str | None = None, name: str = "cpu"):
+        self.name = name
+        self.isa = isa
         self._ext = None
         self._error = None
         self.build_seconds = None
 
     def extension(self):
-        """Build (first time on this machine) or load the compiled kernels."""
+        """The compiled kernels (built or loaded on first use; the reason is kept if that fails)."""
         if self._ext is None and self._error is None:
-            from torch.utils.cpp_extension import load
-
-            build_dir = cache_dir() / "cpu_kernels"
-            build_dir.mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
-            if not any(build_dir.glob("*.so")):
-                print("pypto-gym: building the fused CPU kernels (once per machine, ~1 min)...",
-                      file=sys.stderr, flush=True)
+            isa = self.isa or hardware.best_isa()
             try:
-                self._ext = load(name="pypto_gym_cpu_kernels", sources=[str(SOURCE)], build_directory=str(build_dir),
-                                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"],
-                                 extra_ldflags=["-fopenmp"], verbose=False)
+                if not hardware.supports_isa(isa):
+                    raise RuntimeError(f"this CPU does not run {isa} code ({hardware.capability()})")
+                self._ext = build(isa)
+                self.isa = isa
             except Exception as e:  # noqa: BLE001 - reported as the reason every call falls back
-                self._error = f"C++ kernels failed to build ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+                first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+                self._error = f"C++ kernels failed to build ({type(e).__name__}: {first})"
             self.build_seconds = time.perf_counter() - t0
         return self._ext
 
@@ -57,20 +154,20 @@ class CpuBackend(Backend):
         self.extension()
         return self._error
 
-    def supports(self, op, x, gamma=None, **args):
-        if self._ext is not None and x.device.type == "cpu" and (gamma is None or gamma.dtype in FLOAT_DTYPES):
+    def supports(self, op, args):
+        x, gamma = args[0], args[GAMMA_INDEX[op]]
+        if self._ext is not None and x.is_cpu and (gamma is None or gamma.dtype in FLOAT_DTYPES):
             return None  # fast path: every patched norm asks this on every call
-        reason = super().supports(op, x)
+        reason = super().supports(op, args)
         if reason is None and gamma is not None and gamma.dtype not in FLOAT_DTYPES:
             reason = f"gamma dtype {str(gamma.dtype).replace('torch.', '')} not supported"
         return reason
 
     def rms_norm(self, x, gamma, eps, cast_mode):
-        return self._ext.norm(x, None, gamma, eps, cast_mode == "fp32")[0]
+        return self._ext.rms_norm(x, gamma, eps, MODES[cast_mode])
 
     def add_rms_norm(self, x1, x2, gamma, eps, cast_mode):
-        y, x_out = self._ext.norm(x1, x2, gamma, eps, cast_mode == "fp32")
-        return y, x_out
+        return self._ext.add_rms_norm(x1, x2, gamma, eps, MODES[cast_mode])
 
     def rms_norm_dynamic_quant(self, x, gamma, smooth_scales, beta, eps, dst_type):
         y, _, _, scale, _ = self._ext.quant(x, None, gamma, smooth_scales, None, beta, eps, *QUANT_RANGES[dst_type])

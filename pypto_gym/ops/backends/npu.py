@@ -24,7 +24,7 @@ import importlib
 
 import torch
 
-from ..registry import Backend, register
+from ..registry import GAMMA_INDEX, Backend, register
 
 QUANT_MAX_D = 8192
 QUANT_DTYPES = (torch.float16, torch.bfloat16)
@@ -35,6 +35,8 @@ def limits_reason(op: str, shape: tuple, dtype: torch.dtype, dst_type: str | Non
     """Why torch_npu cannot take this call (None if it can); independent of the device."""
     if len(shape) > 8:
         return f"rank {len(shape)} > 8"
+    if cast_mode == "none":
+        return "cast_mode none: torch_npu's norm kernels always compute in fp32"
     if cast_mode == "fp32" and gamma_dtype is not None and gamma_dtype != dtype:
         return (f"cast_mode fp32 with gamma dtype {str(gamma_dtype).replace('torch.', '')} != "
                 f"x dtype {str(dtype).replace('torch.', '')}")
@@ -62,9 +64,12 @@ class NpuBackend(Backend):
             self._module = importlib.import_module(self.module_name)
         return self._module
 
-    def supports(self, op, x, gamma=None, dst_type=None, cast_mode="hf", **args):
-        return super().supports(op, x) or limits_reason(op, tuple(x.shape), x.dtype, dst_type,
-                                                        None if gamma is None else gamma.dtype, cast_mode)
+    def supports(self, op, args):
+        x, gamma = args[0], args[GAMMA_INDEX[op]]
+        quant = op.endswith("quant")
+        return super().supports(op, args) or limits_reason(
+            op, tuple(x.shape), x.dtype, args[-1] if quant else None, None if gamma is None else gamma.dtype,
+            "fp32" if quant else args[-1])
 
     @staticmethod
     def _as_rows(x):

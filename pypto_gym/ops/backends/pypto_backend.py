@@ -12,8 +12,8 @@ import shutil
 
 import torch
 
-from ..reference import QUANT_RANGES
-from ..registry import Backend, register
+from ..reference import QUANT_RANGES, out_dtype
+from ..registry import GAMMA_INDEX, Backend, register
 from ..validation import FLOAT_DTYPES
 
 UB_BYTES = 192 * 1024  # Ascend 910B unified buffer per vector core
@@ -53,8 +53,9 @@ class PyptoBackend(Backend):
                 self._error = ""
         return self._error or self._poisoned
 
-    def supports(self, op, x, gamma=None, **args):
-        reason = super().supports(op, x)
+    def supports(self, op, args):
+        x, gamma = args[0], args[GAMMA_INDEX[op]]
+        reason = super().supports(op, args)
         if reason:
             return reason
         if x.device.type == "npu" and not hasattr(torch, "npu"):
@@ -63,6 +64,8 @@ class PyptoBackend(Backend):
             return f"D={x.shape[-1]} is not a multiple of 8 (PyPTO needs 32-byte aligned fp32 rows)"
         if tile_shape(x.shape[-1]) is None:
             return f"D={x.shape[-1]}: one fp32 row does not fit the {UB_BYTES // 1024} KB unified buffer"
+        if not op.endswith("quant") and args[-1] == "none":
+            return "cast_mode none not implemented by the PyPTO kernels"
         if gamma is not None and gamma.dtype not in FLOAT_DTYPES:
             return f"gamma dtype {str(gamma.dtype).replace('torch.', '')} not supported"
         return None
@@ -116,8 +119,7 @@ class PyptoBackend(Backend):
     # -- ops --------------------------------------------------------------------------------------
     def rms_norm(self, x, gamma, eps, cast_mode):
         D = x.shape[-1]
-        out_dtype = x.dtype if gamma is None or cast_mode == "fp32" else torch.promote_types(x.dtype, gamma.dtype)
-        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        out = torch.empty(x.shape, dtype=out_dtype(x, gamma, cast_mode), device=x.device)
         if x.numel():
             g = self._vec(gamma, D, x, 1.0)
             self._launch("rms_norm", x, [self._rows(x), g, out.view(-1, D)], [float(eps), 1.0 / D, cast_mode == "hf"])
@@ -125,8 +127,7 @@ class PyptoBackend(Backend):
 
     def add_rms_norm(self, x1, x2, gamma, eps, cast_mode):
         D = x1.shape[-1]
-        out_dtype = x1.dtype if gamma is None or cast_mode == "fp32" else torch.promote_types(x1.dtype, gamma.dtype)
-        out = torch.empty(x1.shape, dtype=out_dtype, device=x1.device)
+        out = torch.empty(x1.shape, dtype=out_dtype(x1, gamma, cast_mode), device=x1.device)
         x_out = torch.empty_like(x1, memory_format=torch.contiguous_format)
         if x1.numel():
             g = self._vec(gamma, D, x1, 1.0)

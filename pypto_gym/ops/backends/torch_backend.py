@@ -7,7 +7,7 @@ class TorchBackend(Backend):
     name = "torch"
     devices = ("cpu", "cuda", "npu", "meta", "xpu", "mps")
 
-    def supports(self, op, x, **args):
+    def supports(self, op, args):
         return None
 
     rms_norm = staticmethod(reference.rms_norm)

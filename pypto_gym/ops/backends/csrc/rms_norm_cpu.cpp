@@ -1,33 +1,43 @@
-// Fused CPU kernels for the pypto_gym RMSNorm op family.
+// Fused CPU kernels for the pypto_gym RMSNorm op family (SPEC 2.1-2.4).
 //
-// One pass over each row for the statistics and one for the output, rows split across threads
-// with at::parallel_for. Element loops are written over raw storage types with inline
-// conversions so GCC vectorises them (-O3 -march=native); the reductions carry `omp simd`
-// so they may be reassociated without -ffast-math (which would break NaN propagation).
-// The math mirrors pypto_gym/ops/reference.py; see SPEC sections 2.1-2.4.
+// One source, compiled once per instruction-set level (cpu.py picks the level the CPU runs):
+//   avx512bf16: AVX-512 + the BF16 extension (vdpbf16ps sums, vcvtneps2bf16 rounding),
+//   avx512:     AVX-512F/BW/DQ, bf16 rounding by integer arithmetic,
+//   avx2:       AVX2 + FMA + F16C, 8 floats a step,
+//   generic:    plain C++ (any other CPU).
+// Each row is read twice: once for the sum of squares, once for the output (the row is in L1 by
+// then), while the next row is prefetched. Sums of squares are blocked: a few hundred squares
+// per float lane, then each block is folded into double accumulators, so the rounding error of
+// the variance stays below torch's own (whose order we cannot match bit for bit anyway).
+// Element-wise math follows pypto_gym/ops/reference.py operation by operation, rounding where
+// torch rounds, so outputs differ from the reference only where the variance differs in its
+// last bit (SPEC 2.1: at most 1 ulp of the output dtype).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <cmath>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <type_traits>
-#include <vector>
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
+enum Mode : int64_t { HF = 0, FP32 = 1, NONE = 2 };  // SPEC 2.1 cast modes
+
+// ---- storage dtypes: scalar conversions (round to nearest even, NaN stays NaN) ---------------------
 struct F32 {
   using T = float;
   static inline float load(float v) { return v; }
   static inline float store(float f) { return f; }
 };
 struct F16 {
-  using T = _Float16;
-  static inline float load(_Float16 v) { return (float)v; }
-  static inline _Float16 store(float f) { return (_Float16)f; }
+  using T = uint16_t;
+  static inline float load(uint16_t v) { return c10::detail::fp16_ieee_to_fp32_value(v); }
+  static inline uint16_t store(float f) { return c10::detail::fp16_ieee_from_fp32_value(f); }
 };
 struct BF16 {
   using T = uint16_t;
@@ -37,64 +47,241 @@ struct BF16 {
     std::memcpy(&f, &u, 4);
     return f;
   }
-  static inline uint16_t store(float f) {  // round to nearest even, quiet NaN as c10 does
+  static inline uint16_t store(float f) {  // as c10::BFloat16: round to nearest even, NaN -> 0x7FC0
     uint32_t u;
     std::memcpy(&u, &f, 4);
-    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0u : (uint16_t)rounded;
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
   }
 };
+template <class X>
+inline float round_to(float f) { return X::load(X::store(f)); }
 
-
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// bf16 rows with AVX512-BF16: vcvtne2ps2bf16 packs 32 floats with round-to-nearest-even in one
-// instruction, several times cheaper than the integer rounding the generic loop compiles to.
-// (It flushes bf16 denormal outputs to zero; RMSNorm outputs are O(1), so this never shows.)
-#define PYPTO_GYM_BF16_FAST 1
-inline __m512 bf16x16_to_f32(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+// ---- SIMD layer: a vector V of W floats, loads/stores per storage dtype ---------------------------
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define PG_SIMD 1
+#define PG_SIMD512 1
+constexpr int64_t W = 16;
+using V = __m512;
+inline V vset(float f) { return _mm512_set1_ps(f); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vgamma(const float* p) { return _mm512_loadu_ps(p); }
+struct DAcc {  // 16 double lanes
+  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+  inline void add(V v) {
+    lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+    hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
+  }
+  inline double sum() const { return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi)); }
+};
+inline V widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline __m256i bf16_pack(V v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  __m512i u = _mm512_castps_si512(v);
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                               _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 16), nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+#endif
 }
-// Lane orders. A block of 32 bf16 is widened with unpacklo/hi_epi16 (one instruction per 16
-// floats, against two for a zero-extend + shift), which leaves the floats in a lane-local order;
-// gamma is permuted once per call into the same order and one vpermw restores the natural order
-// at the store. P is the order after one widening (fp32 mode); in hf mode the products are
-// rounded to bf16 with one vcvtne2ps2bf16 and widened again, giving order Q.
+template <class X> inline V vload(const typename X::T* p);
+template <> inline V vload<F32>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline V vload<BF16>(const uint16_t* p) { return widen16(_mm256_loadu_si256((const __m256i*)p)); }
+template <> inline V vload<F16>(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+template <class X> inline void vstore(typename X::T* p, V v);
+template <> inline void vstore<F32>(float* p, V v) { _mm512_storeu_ps(p, v); }
+template <> inline void vstore<BF16>(uint16_t* p, V v) { _mm256_storeu_si256((__m256i*)p, bf16_pack(v)); }
+template <> inline void vstore<F16>(uint16_t* p, V v) {
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+template <class X> inline V vround(V v);  // v rounded to X's precision, still as floats
+template <> inline V vround<F32>(V v) { return v; }
+template <> inline V vround<BF16>(V v) { return widen16(bf16_pack(v)); }
+template <> inline V vround<F16>(V v) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PG_SIMD 1
+constexpr int64_t W = 8;
+using V = __m256;
+inline V vset(float f) { return _mm256_set1_ps(f); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vgamma(const float* p) { return _mm256_loadu_ps(p); }
+struct DAcc {  // 8 double lanes
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  inline void add(V v) {
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+  }
+  inline double sum() const {
+    alignas(32) double t[4];
+    _mm256_store_pd(t, _mm256_add_pd(lo, hi));
+    return (t[0] + t[1]) + (t[2] + t[3]);
+  }
+};
+inline V widen8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline __m128i bf16_pack(V v) {  // round to nearest even by integer arithmetic, NaN -> 0x7FC0
+  __m256i u = _mm256_castps_si256(v);
+  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                               _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+  r = _mm256_srli_epi32(r, 16);
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  __m256i p = _mm256_packus_epi32(r, r);  // per 128-bit lane: [a0..a3 a0..a3 | b0..b3 b0..b3]
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08));
+}
+template <class X> inline V vload(const typename X::T* p);
+template <> inline V vload<F32>(const float* p) { return _mm256_loadu_ps(p); }
+template <> inline V vload<BF16>(const uint16_t* p) { return widen8(_mm_loadu_si128((const __m128i*)p)); }
+template <> inline V vload<F16>(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+template <class X> inline void vstore(typename X::T* p, V v);
+template <> inline void vstore<F32>(float* p, V v) { _mm256_storeu_ps(p, v); }
+template <> inline void vstore<BF16>(uint16_t* p, V v) { _mm_storeu_si128((__m128i*)p, bf16_pack(v)); }
+template <> inline void vstore<F16>(uint16_t* p, V v) {
+  _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+template <class X> inline V vround(V v);
+template <> inline V vround<F32>(V v) { return v; }
+template <> inline V vround<BF16>(V v) {  // keep the rounded high half in place: no pack/unpack
+  __m256i u = _mm256_castps_si256(v);
+  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                               _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+  V rounded = _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
+  return _mm256_blendv_ps(rounded, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+template <> inline V vround<F16>(V v) {
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#else
+constexpr int64_t W = 0;  // no vector path: every loop below is its scalar tail
+#endif
+
+inline void prefetch(const void* p) {
+#if defined(__GNUC__)
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+// ---- rows -----------------------------------------------------------------------------------------
+// Row i's output and row i+1's sum of squares are computed in the same loop: one read stream and
+// one write stream per row, as in a copy. Sums are blocked: fp32 lanes for up to BLOCK elements,
+// then folded into fp64 (DAcc), so their rounding error stays below torch's.
+constexpr int64_t BLOCK = 512;
+
+template <class X>
+double sum_squares(const typename X::T* x, int64_t D) {  // the first row of a chunk
+  double total = 0.0;
+  int64_t i = 0;
+#ifdef PG_SIMD
+  DAcc acc;
+  while (i + 2 * W <= D) {
+    const int64_t end = std::min(D - D % (2 * W), i + BLOCK);
+    V a0 = vset(0.f), a1 = vset(0.f);
+    for (; i + 2 * W <= end; i += 2 * W) {
+      V v0 = vload<X>(x + i), v1 = vload<X>(x + i + W);
+      a0 = vfma(v0, v0, a0);
+      a1 = vfma(v1, v1, a1);
+    }
+    acc.add(vadd(a0, a1));
+  }
+  total = acc.sum();
+#endif
+  for (; i < D; ++i) {
+    const double v = X::load(x[i]);
+    total += v * v;
+  }
+  return total;
+}
+
+#ifdef PG_SIMD
+template <class X> inline V vstore_rounded(typename X::T* p, V v);  // store T(v); return T(v) as floats
+template <> inline V vstore_rounded<F32>(float* p, V v) { vstore<F32>(p, v); return v; }
+template <> inline V vstore_rounded<F16>(uint16_t* p, V v) { V r = vround<F16>(v); vstore<F16>(p, r); return r; }
+#ifdef PG_SIMD512
+template <> inline V vstore_rounded<BF16>(uint16_t* p, V v) {
+  __m256i h = bf16_pack(v);
+  _mm256_storeu_si256((__m256i*)p, h);
+  return widen16(h);
+}
+#else
+template <> inline V vstore_rounded<BF16>(uint16_t* p, V v) {
+  __m128i h = bf16_pack(v);
+  _mm_storeu_si128((__m128i*)p, h);
+  return widen8(h);
+}
+#endif
+#endif
+
+// o = T(a + b), rounded exactly as torch.add; returns the sum of squares of o (what the norm reads)
+template <class X>
+double add_row(const typename X::T* a, const typename X::T* b, typename X::T* o, int64_t D) {
+  double total = 0.0;
+  int64_t i = 0;
+#ifdef PG_SIMD
+  DAcc acc;
+  while (i + W <= D) {
+    const int64_t end = std::min(D - D % W, i + BLOCK);
+    V s = vset(0.f);
+    for (; i + W <= end; i += W) {
+      V v = vstore_rounded<X>(o + i, vadd(vload<X>(a + i), vload<X>(b + i)));
+      s = vfma(v, v, s);
+    }
+    acc.add(s);
+  }
+  total = acc.sum();
+#endif
+  for (; i < D; ++i) {
+    o[i] = X::store(X::load(a[i]) + X::load(b[i]));
+    const double v = X::load(o[i]);
+    total += v * v;
+  }
+  return total;
+}
+
+#if defined(__AVX512BF16__) && defined(PG_SIMD512)
+// bf16 in, bf16 out, 32 elements a step. Widening with unpacklo/hi_epi16 (one instruction per 16
+// floats instead of a zero-extend and a shift) leaves the floats in a lane-local order; gamma is
+// permuted into that order once per call, and one vpermw restores the natural order at the store.
+// In hf mode the products are rounded to bf16 with one vcvtne2ps2bf16 and widened again, which
+// permutes once more (order Q instead of P). The next row's squares: vdpbf16ps, 32 a step
+// (bf16*bf16 is exact in fp32). About a third fewer instructions than the generic path.
+#define PG_BF16_BLOCKS 1
 struct Bf16Blocks {
   int lo[16], hi[16];  // element (0..31) held by lane j of the low / high float vector
   uint16_t store_index[32];
   explicit Bf16Blocks(bool twice) {
-    int p[32];  // slot -> element after the first widening and packing
+    int p[32];  // slot -> element after one widening and packing
     for (int k = 0; k < 4; ++k)
-      for (int t = 0; t < 4; ++t) {
-        lo[4 * k + t] = 8 * k + t;
-        hi[4 * k + t] = 8 * k + 4 + t;
-      }
+      for (int t = 0; t < 4; ++t) lo[4 * k + t] = 8 * k + t, hi[4 * k + t] = 8 * k + 4 + t;
     if (twice) {
       for (int j = 0; j < 16; ++j) p[j] = lo[j], p[16 + j] = hi[j];
       for (int k = 0; k < 4; ++k)
-        for (int t = 0; t < 4; ++t) {
-          lo[4 * k + t] = p[8 * k + t];
-          hi[4 * k + t] = p[8 * k + 4 + t];
-        }
+        for (int t = 0; t < 4; ++t) lo[4 * k + t] = p[8 * k + t], hi[4 * k + t] = p[8 * k + 4 + t];
     }
     for (int j = 0; j < 16; ++j) store_index[lo[j]] = j, store_index[hi[j]] = 16 + j;
   }
-  std::vector<float> permute(const float* g, int64_t D) const {  // gamma in lane order, whole blocks
-    std::vector<float> out(D - D % 32);
+  void permute(const float* g, float* out, int64_t D) const {  // gamma in lane order, whole blocks of 32
     for (int64_t b = 0; b + 32 <= D; b += 32)
       for (int j = 0; j < 16; ++j) out[b + j] = g[b + lo[j]], out[b + 16 + j] = g[b + hi[j]];
-    return out;
   }
 };
 
-// y = bf16(g * bf16(x * r)) (hf) or bf16(x * r * g) (fp32); gq is gamma in the blocks' lane order.
-inline int64_t bf16_norm_row_fast(const uint16_t* x, const float* gq, uint16_t* y, int64_t D, float r, bool hf,
-                                  const Bf16Blocks& blocks) {
+// Whole blocks of 32; returns the number of elements done. gq: gamma in the blocks' lane order.
+inline int64_t bf16_row_blocks(const uint16_t* x, const float* gq, uint16_t* y, int64_t D, float r, bool hf,
+                               const uint16_t* next, DAcc& acc) {
+  static const Bf16Blocks once(false), twice(true);
+  const Bf16Blocks& blocks = hf ? twice : once;
   const __m512 vr = _mm512_set1_ps(r);
   const __m512i z = _mm512_setzero_si512();
   const __m512i idx = _mm512_loadu_si512((const void*)blocks.store_index);
-  int64_t i = 0;
-  for (; i + 32 <= D; i += 32) {
+  auto step = [&](int64_t i) {
     __m512i v = _mm512_loadu_si512((const void*)(x + i));
     __m512 lo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, v)), vr);
     __m512 hi = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, v)), vr);
@@ -106,125 +293,147 @@ inline int64_t bf16_norm_row_fast(const uint16_t* x, const float* gq, uint16_t* 
     __m512i o = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, _mm512_loadu_ps(gq + i + 16)),
                                              _mm512_mul_ps(lo, _mm512_loadu_ps(gq + i)));
     _mm512_storeu_si512((void*)(y + i), _mm512_permutexvar_epi16(idx, o));
-  }
-  return i;
-}
-// o = bf16(a + b), 32 at a time; returns elements done.
-inline int64_t bf16_add_row_fast(const uint16_t* a, const uint16_t* b, uint16_t* o, int64_t D) {
+  };
+  auto square = [&](__m512 a, int64_t i) {
+    __m512bh n = (__m512bh)_mm512_loadu_si512((const void*)(next + i));
+    return _mm512_dpbf16_ps(a, n, n);
+  };
   int64_t i = 0;
-  for (; i + 32 <= D; i += 32) {
-    __m512 s0 = _mm512_add_ps(bf16x16_to_f32(a + i), bf16x16_to_f32(b + i));
-    __m512 s1 = _mm512_add_ps(bf16x16_to_f32(a + i + 16), bf16x16_to_f32(b + i + 16));
-    _mm512_storeu_si512((void*)(o + i), (__m512i)_mm512_cvtne2ps_pbh(s1, s0));
-  }
-  return i;
-}
-#endif
-
-inline int64_t grain_for(int64_t D) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)); }
-
-template <class X>
-inline float sum_squares(const typename X::T* x, int64_t D) {
-  float acc = 0.f;
-  int64_t i = 0;
-#ifdef PYPTO_GYM_BF16_FAST
-  if constexpr (std::is_same_v<X, BF16>) {  // bf16*bf16 is exact in f32: vdpbf16ps sums 32 squares a step
+  while (i + 32 <= D) {
+    const int64_t end = std::min(D - D % 32, i + BLOCK);
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    for (; i + 64 <= D; i += 64) {
-      __m512bh v0 = (__m512bh)_mm512_loadu_si512((const void*)(x + i));
-      __m512bh v1 = (__m512bh)_mm512_loadu_si512((const void*)(x + i + 32));
-      a0 = _mm512_dpbf16_ps(a0, v0, v0);
-      a1 = _mm512_dpbf16_ps(a1, v1, v1);
-    }
-    acc = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-  }
-#endif
-#pragma omp simd reduction(+ : acc)
-  for (int64_t j = i; j < D; ++j) {
-    float v = X::load(x[j]);
-    acc += v * v;
-  }
-  return acc;
-}
-
-#ifdef PYPTO_GYM_BF16_FAST
-struct FastGamma {
-  Bf16Blocks blocks;
-  std::vector<float> gq;
-  FastGamma(const float* g, int64_t D, bool hf) : blocks(hf), gq(blocks.permute(g, D)) {}
-};
-#else
-struct FastGamma {
-  FastGamma(const float*, int64_t, bool) {}
-};
-#endif
-
-// y = O(gamma * T(x * r))  (hf)   or   y = O(x * r * gamma)  (fp32, O = T);  O = T when gamma's
-// dtype is T, else f32. gamma arrives converted to f32 once per call; no gamma arrives as ones
-// (1 * v == v exactly), so there is one code path.
-template <class X, class O>
-void norm_row(const typename X::T* x, const float* g, typename O::T* y, int64_t D, float r, bool fp32_mode,
-              const FastGamma* fast) {
-  int64_t i = 0;
-#ifdef PYPTO_GYM_BF16_FAST
-  if constexpr (std::is_same_v<X, BF16> && std::is_same_v<O, BF16>) {
-    if (fast) i = bf16_norm_row_fast(x, fast->gq.data(), y, D, r, !fp32_mode, fast->blocks);
-  }
-#endif
-  if (fp32_mode) {
-    for (; i < D; ++i) y[i] = O::store(X::load(x[i]) * r * g[i]);
-  } else {
-    for (; i < D; ++i) y[i] = O::store(g[i] * X::load(X::store(X::load(x[i]) * r)));
-  }
-}
-
-template <class X>
-void add_row(const typename X::T* a, const typename X::T* b, typename X::T* o, int64_t D) {
-  int64_t i = 0;
-#ifdef PYPTO_GYM_BF16_FAST
-  if constexpr (std::is_same_v<X, BF16>) i = bf16_add_row_fast(a, b, o, D);
-#endif
-  for (; i < D; ++i) o[i] = X::store(X::load(a[i]) + X::load(b[i]));
-}
-
-template <class X, class O>
-void rms_norm_impl(const at::Tensor& x, const at::Tensor* x2, const float* gp, at::Tensor& y, at::Tensor* xo,
-                   double eps, bool fp32_mode, const FastGamma* fast) {
-  const int64_t D = x.size(-1), R = x.numel() / std::max<int64_t>(D, 1);
-  auto xp = reinterpret_cast<const typename X::T*>(x.data_ptr());
-  auto x2p = x2 ? reinterpret_cast<const typename X::T*>(x2->data_ptr()) : nullptr;
-  auto yp = reinterpret_cast<typename O::T*>(y.data_ptr());
-  auto xop = xo ? reinterpret_cast<typename X::T*>(xo->data_ptr()) : nullptr;
-  const float feps = (float)eps;
-  at::parallel_for(0, R, grain_for(D), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const typename X::T* xr = xp + row * D;
-      if (x2p) {  // residual add, rounded to the input dtype exactly as torch.add does
-        add_row<X>(xr, x2p + row * D, xop + row * D, D);
-        xr = xop + row * D;
+    if (next) {
+      for (; i + 64 <= end; i += 64) {
+        step(i);
+        step(i + 32);
+        a0 = square(a0, i);
+        a1 = square(a1, i + 32);
       }
-      float var = sum_squares<X>(xr, D) / (float)D;
-      float r = 1.0f / std::sqrt(var + feps);
-      norm_row<X, O>(xr, gp, yp + row * D, D, r, fp32_mode, fast);
+      for (; i + 32 <= end; i += 32) {
+        step(i);
+        a0 = square(a0, i);
+      }
+      acc.add(_mm512_add_ps(a0, a1));
+    } else {
+      for (; i + 32 <= end; i += 32) step(i);
+    }
+  }
+  return i;
+}
+#endif
+
+// One row of output, and the sum of squares of `next` (the following row, or null) in the same pass.
+// hf:   y = O(g * T(x * r))        fp32: y = T((x * r) * g)        (O: output dtype, T: input dtype)
+// gq: gamma in the bf16 block order (bf16 in and out on AVX512-BF16), else null
+template <class X, class O>
+double norm_row(const typename X::T* x, const float* g, typename O::T* y, int64_t D, float r, bool hf,
+                const typename X::T* next, const float* gq) {
+  double total = 0.0;
+  int64_t i = 0;
+#ifdef PG_SIMD
+  DAcc acc;
+#ifdef PG_BF16_BLOCKS
+  if constexpr (std::is_same_v<X, BF16> && std::is_same_v<O, BF16>) {
+    if (gq) i = bf16_row_blocks(x, gq, y, D, r, hf, next, acc);
+  }
+#endif
+  const V vr = vset(r);
+  auto step = [&](int64_t j) {
+    if (hf)
+      vstore<O>(y + j, vmul(vgamma(g + j), vround<X>(vmul(vload<X>(x + j), vr))));
+    else
+      vstore<O>(y + j, vmul(vmul(vload<X>(x + j), vr), vgamma(g + j)));
+  };
+  while (i + W <= D) {
+    const int64_t end = std::min(D - D % W, i + BLOCK);
+    V a0 = vset(0.f), a1 = vset(0.f);
+    if (next) {
+      for (; i + 2 * W <= end; i += 2 * W) {
+        step(i);
+        step(i + W);
+        V n0 = vload<X>(next + i), n1 = vload<X>(next + i + W);
+        a0 = vfma(n0, n0, a0);
+        a1 = vfma(n1, n1, a1);
+      }
+      for (; i + W <= end; i += W) {
+        step(i);
+        V n0 = vload<X>(next + i);
+        a0 = vfma(n0, n0, a0);
+      }
+      acc.add(vadd(a0, a1));
+    } else {
+      for (; i + W <= end; i += W) step(i);
+    }
+  }
+  total = acc.sum();
+#endif
+  for (; i < D; ++i) {
+    y[i] = hf ? O::store(g[i] * round_to<X>(X::load(x[i]) * r)) : O::store(X::load(x[i]) * r * g[i]);
+    if (next) {
+      const double v = X::load(next[i]);
+      total += v * v;
+    }
+  }
+  return total;
+}
+
+inline int64_t grain_for(int64_t D) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)); }
+
+// cast_mode "none": every step rounded to the input dtype T (reference._rms_norm_no_cast):
+// var = T(sum(T(x^2)) / D); r = T(1 / sqrt(T(var + eps))); y = T(T(g) * T(x * r)).
+template <class X>
+float no_cast_rsqrt(const typename X::T* x, int64_t D, float eps) {
+  double s = 0.0;
+  for (int64_t i = 0; i < D; ++i) {
+    const float v = X::load(x[i]);
+    s += round_to<X>(v * v);
+  }
+  const float var = round_to<X>((float)(s / (double)D));
+  return round_to<X>(1.0f / std::sqrt(round_to<X>(var + eps)));
+}
+
+template <class X, class O>
+void norm_rows(const at::Tensor& x, const at::Tensor* x2, at::Tensor* xo, const float* g, at::Tensor& y, double eps,
+               int64_t mode) {
+  using T = typename X::T;
+  const int64_t D = x.size(-1), R = x.numel() / D;
+  const float* gq = nullptr;  // gamma in bf16 block order, where that path applies (not worth it for one row)
+#ifdef PG_BF16_BLOCKS
+  std::unique_ptr<float[]> gq_buf;
+  if constexpr (std::is_same_v<X, BF16> && std::is_same_v<O, BF16>) {
+    if (D >= 32 && R >= 4) {
+      gq_buf.reset(new float[D - D % 32]);
+      Bf16Blocks(mode != FP32).permute(g, gq_buf.get(), D);
+      gq = gq_buf.get();
+    }
+  }
+#endif
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  const T* x2p = x2 ? reinterpret_cast<const T*>(x2->data_ptr()) : nullptr;
+  T* xop = xo ? reinterpret_cast<T*>(xo->data_ptr()) : nullptr;
+  auto yp = reinterpret_cast<typename O::T*>(y.data_ptr());
+  const float feps = (float)eps;
+  const bool hf = mode != FP32;  // "none" writes like hf, with r and gamma already in T
+  at::parallel_for(0, R, grain_for(D), [&](int64_t begin, int64_t end) {
+    double squares = 0.0;  // of the current row, summed while the previous row was written
+    for (int64_t row = begin; row < end; ++row) {
+      const T* xr = xp + row * D;
+      if (x2p) {
+        squares = add_row<X>(xr, x2p + row * D, xop + row * D, D);
+        xr = xop + row * D;
+      } else if (row == begin && mode != NONE) {
+        squares = sum_squares<X>(xr, D);
+      }
+      const float r = mode == NONE ? no_cast_rsqrt<X>(xr, D, feps)
+                                   : 1.0f / std::sqrt((float)(squares / (double)D) + feps);
+      const T* next = (!x2p && mode != NONE && row + 1 < end) ? xp + (row + 1) * D : nullptr;
+      squares = norm_row<X, O>(xr, g, yp + row * D, D, r, hf, next, gq);
     }
   });
 }
 
-template <class G>
-std::vector<float> gamma_f32(const at::Tensor& g) {
-  auto p = reinterpret_cast<const typename G::T*>(g.data_ptr());
-  std::vector<float> out(g.numel());
-  for (int64_t i = 0; i < g.numel(); ++i) out[i] = G::load(p[i]);
-  return out;
-}
-
-at::ScalarType out_type(at::ScalarType xt, const c10::optional<at::Tensor>& g, bool fp32_mode) {
-  if (!g.has_value() || fp32_mode) return xt;
-  return at::promote_types(xt, g->scalar_type());
-}
-
 template <class F>
-void dispatch_x(at::ScalarType t, F&& f) {
+void dispatch_dtype(at::ScalarType t, F&& f) {
   switch (t) {
     case at::kFloat: f(F32{}); break;
     case at::kHalf: f(F16{}); break;
@@ -233,37 +442,66 @@ void dispatch_x(at::ScalarType t, F&& f) {
   }
 }
 
-std::vector<at::Tensor> norm_entry(const at::Tensor& x_in, const c10::optional<at::Tensor>& x2_in,
-                                   const c10::optional<at::Tensor>& gamma, double eps, bool fp32_mode) {
+// gamma as fp32, once per call (ones without gamma: 1 * v == v exactly); in "none" mode rounded to T first
+template <class X>
+std::unique_ptr<float[]> gamma_f32(const c10::optional<at::Tensor>& gamma, int64_t D, int64_t mode) {
+  std::unique_ptr<float[]> out(new float[D]);
+  if (!gamma.has_value()) {
+    std::fill(out.get(), out.get() + D, 1.0f);
+    return out;
+  }
+  at::Tensor g = gamma->is_contiguous() ? *gamma : gamma->contiguous();
+  dispatch_dtype(g.scalar_type(), [&](auto gt) {
+    using G = decltype(gt);
+    auto p = reinterpret_cast<const typename G::T*>(g.data_ptr());
+    for (int64_t i = 0; i < D; ++i) out[i] = mode == NONE ? round_to<X>(G::load(p[i])) : G::load(p[i]);
+  });
+  return out;
+}
+
+// rms_norm (x2 undefined) and add_rms_norm (x2 given, returns x_out too)
+std::tuple<at::Tensor, at::Tensor> norm_entry(const at::Tensor& x_in, const c10::optional<at::Tensor>& x2_in,
+                                              const c10::optional<at::Tensor>& gamma, double eps, int64_t mode) {
   const int64_t D = x_in.size(-1);
-  at::Tensor x = x_in.contiguous();
+  // cheap here, and they keep memory safe whatever the caller checked: gamma has D elements on x's device
+  TORCH_CHECK(!gamma.has_value() || (gamma->numel() == D && gamma->device() == x_in.device()),
+              "gamma: expected ", D, " elements on ", x_in.device(), ", got shape ", gamma->sizes(), " on ",
+              gamma->device());
+  TORCH_CHECK(!x2_in.has_value() || (x2_in->sizes() == x_in.sizes() && x2_in->scalar_type() == x_in.scalar_type()),
+              "x2: expected the shape and dtype of x1");
+  const at::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
   at::Tensor x2, xo;
   if (x2_in.has_value()) {
-    x2 = x2_in->contiguous();
+    x2 = x2_in->is_contiguous() ? *x2_in : x2_in->contiguous();
     xo = at::empty(x.sizes(), x.options());
   }
-  at::Tensor g;
-  if (gamma.has_value()) g = gamma->reshape({D}).contiguous();
-  at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_type(x.scalar_type(), gamma, fp32_mode)));
+  // output dtype (SPEC 2.1): hf promotes with gamma's dtype as HF's `weight * h` does; else x's dtype
+  at::ScalarType out_t = x.scalar_type();
+  if (gamma.has_value() && mode == HF) out_t = at::promote_types(out_t, gamma->scalar_type());
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_t));
   if (x.numel() > 0) {
-    std::vector<float> gf(D, 1.0f);
-    if (g.defined()) dispatch_x(g.scalar_type(), [&](auto gt) { gf = gamma_f32<decltype(gt)>(g); });
-    const float* gp = gf.data();
-    std::unique_ptr<FastGamma> fast;  // bf16 in and out: gamma in the fast path's lane order
-    if (x.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16 && D >= 32)
-      fast = std::make_unique<FastGamma>(gp, D, !fp32_mode);
-    dispatch_x(x.scalar_type(), [&](auto xt) {
+    dispatch_dtype(x.scalar_type(), [&](auto xt) {
       using X = decltype(xt);
+      auto g = gamma_f32<X>(gamma, D, mode);
       at::Tensor* x2p = x2.defined() ? &x2 : nullptr;
       at::Tensor* xop = xo.defined() ? &xo : nullptr;
-      if (y.scalar_type() == x.scalar_type())
-        rms_norm_impl<X, X>(x, x2p, gp, y, xop, eps, fp32_mode, fast.get());
+      if (out_t == x.scalar_type())
+        norm_rows<X, X>(x, x2p, xop, g.get(), y, eps, mode);
       else
-        rms_norm_impl<X, F32>(x, x2p, gp, y, xop, eps, fp32_mode, nullptr);
+        norm_rows<X, F32>(x, x2p, xop, g.get(), y, eps, mode);
     });
   }
-  if (xo.defined()) return {y, xo};
-  return {y};
+  return {y, xo};
+}
+
+at::Tensor rms_norm_entry(const at::Tensor& x, const c10::optional<at::Tensor>& gamma, double eps, int64_t mode) {
+  return std::get<0>(norm_entry(x, c10::nullopt, gamma, eps, mode));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_entry(const at::Tensor& x1, const at::Tensor& x2,
+                                                      const c10::optional<at::Tensor>& gamma, double eps,
+                                                      int64_t mode) {
+  return norm_entry(x1, x2, gamma, eps, mode);
 }
 
 // ---- dynamic quantisation: n = x / rms(x) * gamma (+ beta); branch k: n * smooth_k; per-row scale.
@@ -272,7 +510,7 @@ void quant_impl(const at::Tensor& x, const at::Tensor* x2, at::Tensor* xo, const
                 const at::Tensor* beta, const at::Tensor* s1, const at::Tensor* s2, double eps, float qmax,
                 float qmin, at::Tensor& y1, at::Tensor* y2, at::Tensor& sc1, at::Tensor* sc2) {
   using T = typename X::T;
-  const int64_t D = x.size(-1), R = x.numel() / std::max<int64_t>(D, 1);
+  const int64_t D = x.size(-1), R = x.numel() / D;
   auto xp = reinterpret_cast<const T*>(x.data_ptr());
   auto x2p = x2 ? reinterpret_cast<const T*>(x2->data_ptr()) : nullptr;
   auto xop = xo ? reinterpret_cast<T*>(xo->data_ptr()) : nullptr;
@@ -285,44 +523,41 @@ void quant_impl(const at::Tensor& x, const at::Tensor* x2, at::Tensor* xo, const
   const int branches = y2 ? 2 : 1;
   const float feps = (float)eps;
   at::parallel_for(0, R, grain_for(D), [&](int64_t begin, int64_t end) {
-    std::vector<float> n(D), m(D);
+    std::unique_ptr<float[]> n(new float[D]), m(new float[D]);
     for (int64_t row = begin; row < end; ++row) {
       const T* xr = xp + row * D;
+      double squares;
       if (x2p) {
-        add_row<X>(xr, x2p + row * D, xop + row * D, D);
+        squares = add_row<X>(xr, x2p + row * D, xop + row * D, D);
         xr = xop + row * D;
-      }
-      float rms = std::sqrt(sum_squares<X>(xr, D) / (float)D + feps);
-      if (bp) {
-        for (int64_t i = 0; i < D; ++i) n[i] = X::load(xr[i]) / rms * X::load(gp[i]) + X::load(bp[i]);
       } else {
-        for (int64_t i = 0; i < D; ++i) n[i] = X::load(xr[i]) / rms * X::load(gp[i]);
+        squares = sum_squares<X>(xr, D);
       }
+      const float rms = std::sqrt((float)(squares / (double)D) + feps);
+      for (int64_t i = 0; i < D; ++i) n[i] = X::load(xr[i]) / rms * X::load(gp[i]) + (bp ? X::load(bp[i]) : 0.f);
       for (int b = 0; b < branches; ++b) {
-        const float* src = n.data();
+        const float* src = n.get();
         if (sp[b]) {
           for (int64_t i = 0; i < D; ++i) m[i] = n[i] * X::load(sp[b][i]);
-          src = m.data();
+          src = m.get();
         }
         float amax = 0.f;
         bool nan = false;
         for (int64_t i = 0; i < D; ++i) {
-          float a = std::fabs(src[i]);
+          const float a = std::fabs(src[i]);
           nan |= std::isnan(a);
           amax = a > amax ? a : amax;
         }
-        if (nan) amax = NAN;
-        float scale = amax / qmax;
+        const float scale = nan ? NAN : amax / qmax;
         scp[b][row] = scale;
         int8_t* yr = yp[b] + row * D;
-        if (scale == 0.f) {
+        if (!(scale != 0.f) || nan) {  // a zero row (scale 0) or a NaN row: codes 0
           std::memset(yr, 0, D);
-        } else {
-          for (int64_t i = 0; i < D; ++i) {
-            float q = std::nearbyint(src[i] / scale);  // half to even under the default FE mode
-            q = q > qmax ? qmax : (q < qmin ? qmin : q);
-            yr[i] = (int8_t)(std::isnan(q) ? 0.f : q);
-          }
+          continue;
+        }
+        for (int64_t i = 0; i < D; ++i) {
+          float q = std::nearbyint(src[i] / scale);  // half to even under the default rounding mode
+          yr[i] = (int8_t)(q > qmax ? qmax : (q < qmin ? qmin : q));
         }
       }
     }
@@ -354,7 +589,7 @@ std::vector<c10::optional<at::Tensor>> quant_entry(const at::Tensor& x_in, const
     sc2 = at::empty(rows, f32);
   }
   if (x.numel() > 0) {
-    dispatch_x(x.scalar_type(), [&](auto xt) {
+    dispatch_dtype(x.scalar_type(), [&](auto xt) {
       quant_impl<decltype(xt)>(x, x2.defined() ? &x2 : nullptr, xo.defined() ? &xo : nullptr, g,
                                beta.defined() ? &beta : nullptr, s1.defined() ? &s1 : nullptr,
                                s2.defined() ? &s2 : nullptr, eps, (float)qmax, (float)qmin, y1,
@@ -365,9 +600,24 @@ std::vector<c10::optional<at::Tensor>> quant_entry(const at::Tensor& x_in, const
   return {y1, opt(y2), opt(xo), sc1, opt(sc2)};
 }
 
+// Which vector path this build compiled (reported by the benchmarks; checked against the CPU by cpu.py).
+std::string isa() {
+#if defined(__AVX512BF16__) && defined(PG_SIMD)
+  return "avx512bf16";
+#elif defined(__AVX512F__) && defined(PG_SIMD)
+  return "avx512";
+#elif defined(PG_SIMD)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("norm", &norm_entry, "rms_norm / add_rms_norm (x2 given)");
+  m.def("rms_norm", &rms_norm_entry, "rms_norm(x, gamma, eps, mode)");
+  m.def("add_rms_norm", &add_rms_norm_entry, "add_rms_norm(x1, x2, gamma, eps, mode) -> (y, x_out)");
   m.def("quant", &quant_entry, "rms_norm_dynamic_quant / add_rms_norm_dynamic_quant (x2 given)");
+  m.def("isa", &isa, "the instruction-set level this build was compiled for");
 }

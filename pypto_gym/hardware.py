@@ -1,0 +1,74 @@
+"""What this CPU can do, read once: the vector extensions that decide kernels, dtypes and figures.
+
+Machines differ from run to run (one with AVX-512 BF16, the next with AVX2 only), so the cpu
+backend builds the kernel for the level the CPU really has, benchmarks print it with every
+figure, and models default to bfloat16 only where the CPU computes it natively (AVX512-BF16 or
+AMX; elsewhere torch's bf16 matmul is two orders of magnitude slower than fp32).
+"""
+from __future__ import annotations
+
+import functools
+import platform
+
+# kernel levels, best first: (name, cpuinfo flags it needs)
+ISA_LEVELS = (
+    ("avx512bf16", ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "fma", "f16c")),
+    ("avx512", ("avx512f", "avx512bw", "avx512dq", "avx512vl", "fma", "f16c")),
+    ("avx2", ("avx2", "fma", "f16c")),
+    ("generic", ()),
+)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset:
+    """The CPU feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def best_isa() -> str:
+    """The best kernel level this CPU runs (`generic` off x86 or when flags are unknown)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "generic"
+    flags = cpu_flags()
+    return next(name for name, needs in ISA_LEVELS if all(f in flags for f in needs))
+
+
+def supports_isa(isa: str) -> bool:
+    needs = dict(ISA_LEVELS).get(isa)
+    if needs is None:
+        return False
+    return isa == "generic" or (platform.machine() in ("x86_64", "AMD64") and all(f in cpu_flags() for f in needs))
+
+
+def native_bf16() -> bool:
+    """True when the CPU computes bf16 natively (AVX512-BF16 or AMX): only then is bf16 a fast CPU dtype."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def capability() -> str:
+    """One line for benchmark headers, e.g. 'AMD EPYC: AVX-512, AVX-512 BF16, AVX-512 VNNI (kernel avx512bf16)'."""
+    flags = cpu_flags()
+    names = [("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX-512 BF16"),
+             ("avx512_vnni", "AVX-512 VNNI"), ("avx_vnni", "AVX-VNNI"), ("amx_tile", "AMX")]
+    have = [label for flag, label in names if flag in flags] or ["no vector extensions known"]
+    return f"{cpu_model()}: {', '.join(have)} (kernel level {best_isa()})"

@@ -1,0 +1,217 @@
+"""The `cpu` backend's C++ kernels against the reference, on every instruction-set level this CPU runs.
+
+The grids aim at the kernel's branches rather than at a large product: widths around the vector
+widths and block sizes (D = 1, 7, 8, 15, 16, 31, 33, 2047, 2049, 8200), 0 / 1 / 7 rows (empty;
+one row without threads; rows whose squares are summed while the previous row is written),
+strided, offset and expanded inputs, each dtype, cast mode and gamma dtype. Every call runs strict
+and asserts it ran on the kernel under test. The bound asserted for `hf`/`fp32` is the one the
+README states: at most 1 ulp of a 16-bit output dtype, 4 ulps of fp32, from the reference, times
+max|gamma| in `hf` mode. Why: the kernel's 1/rms can differ from torch's in its last bits (torch's
+sum order and its fp32 sqrt cannot be matched bit for bit; measured, the kernel is the closer of
+the two to the fp64 value), so T(x/rms) can round one ulp apart, and `hf` then multiplies that
+ulp by gamma. `none` is exact.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pypto_gym import hardware, ops
+from pypto_gym.ops import reference, registry
+from pypto_gym.ops.backends.cpu import CpuBackend
+from pypto_gym.precision import compare_outputs
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+WIDTHS = [1, 7, 8, 15, 16, 31, 33, 2047, 2049, 8200]
+ISAS = [name for name, _ in hardware.ISA_LEVELS]
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def kernel(request):
+    """A cpu backend compiled for one level, registered as `cpu_<level>` for this module."""
+    isa = request.param
+    if not hardware.supports_isa(isa):
+        pytest.skip(f"this CPU does not run {isa} ({hardware.capability()})")
+    backend = CpuBackend(isa=isa, name=f"cpu_{isa}")
+    assert backend.unavailable_reason() is None
+    assert backend.extension().isa() == isa
+    registry.register(backend)
+    yield backend.name
+    del registry.BACKENDS[backend.name]
+
+
+def run(op, kernel, *args, **kwargs):
+    stats = ops.Stats()
+    out = getattr(ops, op)(*args, backend=kernel, stats=stats, **kwargs)
+    assert stats.ran == {kernel: 1} and not stats.fallbacks
+    return out
+
+
+def within_bound(actual: torch.Tensor, golden: torch.Tensor, gamma=None, cast_mode="hf") -> bool:
+    bound = 4 if golden.dtype == torch.float32 else 1
+    if cast_mode == "hf" and gamma is not None:
+        bound *= max(1.0, float(gamma.float().abs().max()))
+    return ulps_apart(actual, golden) <= bound
+
+
+def ulps_apart(actual: torch.Tensor, golden: torch.Tensor) -> float:
+    """Largest distance in units in the last place of the golden's dtype (NaN where both are NaN: 0)."""
+    assert actual.dtype == golden.dtype and actual.shape == golden.shape
+    if not golden.numel():
+        return 0.0
+    a, g = actual.double(), golden.double()
+    info = torch.finfo(golden.dtype)
+    bits, tiny = round(-math.log2(info.eps)), info.tiny  # stored mantissa bits
+    _, exp = torch.frexp(g.abs().clamp_min(tiny))
+    ulp = torch.ldexp(torch.ones_like(g), exp - 1 - bits)
+    same = (a == g) | (torch.isnan(a) & torch.isnan(g))
+    return float(torch.where(same, 0.0, (a - g).abs() / ulp).max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [0, 1, 7])
+@pytest.mark.parametrize("D", WIDTHS)
+def test_rms_norm_widths_and_rows(kernel, dtype, rows, D):
+    torch.manual_seed(D * 10 + rows)
+    x, g = torch.randn(rows, D).to(dtype), (1 + 0.2 * torch.randn(D)).to(dtype)
+    assert within_bound(run("rms_norm", kernel, x, g), reference.rms_norm(x, g), g)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cast_mode", ["hf", "fp32", "none"])
+@pytest.mark.parametrize("gamma", ["none", "same", "float32", "bfloat16"])
+def test_cast_modes_and_gamma_dtypes(kernel, dtype, cast_mode, gamma):
+    torch.manual_seed(5)
+    x = torch.randn(7, 2049).to(dtype) * 3
+    g = None if gamma == "none" else torch.randn(2049).to(dtype if gamma == "same" else getattr(torch, gamma))
+    y = run("rms_norm", kernel, x, g, cast_mode=cast_mode)
+    golden = reference.rms_norm(x, g, 1e-6, cast_mode)
+    assert y.dtype == golden.dtype
+    if cast_mode == "none":  # every step rounded to x's dtype: the kernel follows it exactly
+        assert torch.equal(y, golden)
+    else:
+        assert within_bound(y, golden, g, cast_mode)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D", WIDTHS)
+def test_add_rms_norm_residual_is_torch_add_exactly(kernel, dtype, D):
+    torch.manual_seed(D)
+    x1, x2, g = torch.randn(7, D).to(dtype), torch.randn(7, D).to(dtype), torch.randn(D).to(dtype)
+    for cast_mode in ("hf", "fp32", "none"):
+        y, x_out = run("add_rms_norm", kernel, x1, x2, g, cast_mode=cast_mode)
+        assert torch.equal(x_out, x1 + x2)
+        golden = reference.rms_norm(x1 + x2, g, 1e-6, cast_mode)
+        assert torch.equal(y, golden) if cast_mode == "none" else within_bound(y, golden, g, cast_mode)
+
+
+def _layouts(dtype):
+    torch.manual_seed(2)
+    base = torch.randn(9, 4100).to(dtype)
+    return {
+        "strided": base.t().contiguous().t()[:, :33],  # column-major view
+        "offset": base[1:8, 3:2052],  # storage offset, row stride 4100
+        "expanded": torch.randn(1, 2049).to(dtype).expand(5, 2049),  # stride 0 rows
+        "transposed_3d": base[:, :4096].reshape(9, 2, 2048).transpose(0, 1),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["strided", "offset", "expanded", "transposed_3d"])
+def test_non_contiguous_inputs(kernel, dtype, layout):
+    x = _layouts(dtype)[layout]
+    assert not x.is_contiguous()
+    D = x.shape[-1]
+    g = torch.randn(2 * D).to(dtype)[::2]  # a strided gamma too
+    assert within_bound(run("rms_norm", kernel, x, g), reference.rms_norm(x, g), g)
+    y, x_out = run("add_rms_norm", kernel, x, x.flip(0), g)
+    assert torch.equal(x_out, x + x.flip(0))
+    for c in compare_outputs(run("rms_norm_dynamic_quant", kernel, x, g.contiguous()),
+                             reference.rms_norm_dynamic_quant(x, g.contiguous()), ("y", "scale")):
+        assert c.passed, c.reason
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D", [1, 7, 33, 2049])
+@pytest.mark.parametrize("dst_type", ["int8", "int4"])
+@pytest.mark.parametrize("variant", ["plain", "smooth", "smooth_beta", "two_smooth"])
+def test_quant_ops(kernel, dtype, D, dst_type, variant):
+    torch.manual_seed(D)
+    x1, x2 = torch.randn(3, 5, D).to(dtype), torch.randn(3, 5, D).to(dtype)
+    x1[1, 2] = 0  # a zero row: scale 0, codes 0
+    g = torch.randn(D).to(dtype)
+    s1 = (torch.rand(D) + 0.5).to(dtype) if variant != "plain" else None
+    s2 = (torch.rand(D) + 0.5).to(dtype) if variant == "two_smooth" else None
+    beta = (0.1 * torch.randn(D)).to(dtype) if variant == "smooth_beta" else None
+    y, scale = run("rms_norm_dynamic_quant", kernel, x1, g, s1, beta, dst_type=dst_type)
+    for c in compare_outputs((y, scale), reference.rms_norm_dynamic_quant(x1, g, s1, beta, 1e-6, dst_type),
+                             ("y", "scale")):
+        assert c.passed, c.reason
+    if beta is None:
+        assert torch.all(y[1, 2] == 0) and scale[1, 2] == 0
+    out = run("add_rms_norm_dynamic_quant", kernel, x1, x2, g, s1, s2, beta, dst_type=dst_type)
+    golden = reference.add_rms_norm_dynamic_quant(x1, x2, g, s1, s2, beta, 1e-6, dst_type)
+    assert (out[1] is None) == (s2 is None) and torch.equal(out[2], x1 + x2)
+    for c in compare_outputs(out, golden, ("y1", "y2", "x_out", "scale1", "scale2")):
+        assert c.passed, c.reason
+
+
+def test_quant_rounds_half_to_even(kernel):
+    g = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5])
+    y, scale = run("rms_norm_dynamic_quant", kernel, torch.ones(1, 6), g, eps=1e-12)
+    assert float(scale[0]) == 1.0 and y.tolist() == [[127, 0, 2, 2, 0, -2]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nan_and_inf_propagate_like_the_reference(kernel, dtype):
+    x = torch.randn(3, 40).to(dtype)
+    x[0, 3], x[1, 5] = float("nan"), float("inf")
+    g = torch.randn(40).to(dtype)
+    y, golden = run("rms_norm", kernel, x, g), reference.rms_norm(x, g)
+    assert torch.equal(torch.isnan(y), torch.isnan(golden)) and within_bound(y[2:], golden[2:], g)
+    q, s = run("rms_norm_dynamic_quant", kernel, x, g)
+    gq, gs = reference.rms_norm_dynamic_quant(x, g)
+    assert torch.equal(torch.isnan(s), torch.isnan(gs)) and torch.equal(q[:2], gq[:2])
+
+
+def test_sum_of_squares_is_more_accurate_than_a_float_loop(kernel):
+    """One large value then many small ones: a float running sum loses every small square (1 < ulp/2
+    of 1e8). The blocked fp32-then-fp64 sum must be at least as accurate as torch's own."""
+    D = 15000
+    x = torch.ones(1, D)
+    x[0, 0] = 1e4
+    exact = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    kernel_err = float(((run("rms_norm", kernel, x, None).double() - exact).abs() / exact).max())
+    torch_err = float(((reference.rms_norm(x).double() - exact).abs() / exact).max())
+    assert kernel_err <= max(torch_err, 2 ** -23), (kernel_err, torch_err)
+
+
+def test_measured_bound_on_random_bf16(kernel):
+    """The README's claim: hf mode on bf16 (64, 2048) is within 1 ulp of the reference, and equal on most."""
+    torch.manual_seed(0)
+    x, g = torch.randn(64, 2048).to(torch.bfloat16), (1 + 0.1 * torch.randn(2048)).to(torch.bfloat16)
+    y, golden = run("rms_norm", kernel, x, g), reference.rms_norm(x, g)
+    assert within_bound(y, golden, g)
+    assert (y != golden).float().mean() < 0.01
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(0, 9), D=st.integers(1, 300), dtype=st.sampled_from(DTYPES),
+       scale=st.sampled_from([1e-3, 1.0, 1e3]), seed=st.integers(0, 2 ** 16))
+def test_default_cpu_backend_randomised(rows, D, dtype, scale, seed):
+    torch.manual_seed(seed)
+    x = (torch.randn(rows, D) * scale).to(dtype)
+    g = torch.randn(D).to(dtype)
+    assert within_bound(run("rms_norm", "cpu", x, g), reference.rms_norm(x, g), g)
+    for c in compare_outputs(run("rms_norm_dynamic_quant", "cpu", x, g), reference.rms_norm_dynamic_quant(x, g),
+                             ("y", "scale")):
+        assert c.passed, c.reason
+
+
+def test_the_default_build_is_the_best_level_this_cpu_runs():
+    cpu = registry.get("cpu")
+    assert cpu.unavailable_reason() is None and cpu.isa == hardware.best_isa()
+    assert cpu.extension().isa() == hardware.best_isa()
+    assert math.isfinite(cpu.build_seconds)
