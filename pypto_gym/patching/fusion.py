@@ -241,7 +241,7 @@ def _reference_and_no_hooks(module):
     from torch.nn.modules import module as nn_module
 
     sites = [s for s in (site_of(m) for m in module.modules()) if s is not None]
-    saved_sites = [(s, s.call, s.hook_bypass) for s in sites]
+    saved_sites = [(s, s.call, dict(s.bypassed)) for s in sites]
     hook_dicts = [d for m in module.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
     hook_dicts += [nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks]
     saved_hooks = [(d, dict(d)) for d in hook_dicts]
@@ -253,8 +253,8 @@ def _reference_and_no_hooks(module):
             d.clear()
         yield
     finally:
-        for s, call, bypass in saved_sites:
-            s.call, s.hook_bypass = call, bypass
+        for s, call, bypassed in saved_sites:
+            s.call, s.bypassed = call, bypassed
         for d, items in saved_hooks:
             d.update(items)
 

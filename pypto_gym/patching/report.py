@@ -29,7 +29,7 @@ class PatchReport:
             "summary": {"candidates": len(sites), "patched": len(patched), "skipped": len(sites) - len(patched),
                         "fused_layers": len(layers), "calls": sum(r["calls"] for r in patched),
                         "ran_on": dict(ran), "fallbacks": dict(fallbacks),
-                        "fusion_bypassed": sum(r["fusion_bypassed"] for r in patched),
+                        "fusion_bypassed": sum(sum(r["fusion_bypassed"].values()) for r in patched),
                         "backend_unavailable": dict(st.unavailable)},
             "sites": sites,
             "fused_layers": [{"path": layer.path, "norms": layer.fused} for layer in layers],
@@ -51,8 +51,8 @@ class PatchReport:
         lines += [header, "-" * len(header)]
         for r in d["sites"]:
             notes = [r["reason"]] if r["reason"] else [f"{k} x{v}" for k, v in r.get("fallbacks", {}).items()]
-            if r.get("fusion_bypassed"):
-                notes.append(f"fusion bypassed x{r['fusion_bypassed']} (the norm has hooks)")
+            for why, n in r.get("fusion_bypassed", {}).items():
+                notes.append(f"fusion bypassed x{n} ({why})")
             if len(r["paths"]) > 1:
                 notes.append("also at " + ", ".join(r["paths"][1:]))
             lines.append(f"{r['path']:<52} {r['kind']:<30} {r['status']:<8} {r['D']:>5} {r['dtype']:<9} "

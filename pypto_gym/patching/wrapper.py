@@ -8,9 +8,10 @@ so its hooks keep moving weights and activations. The installed forward is a
 `torch.save`s like any model; its state is the module's own `Site`.
 
 A fused layer (fusion.py) calls `add_norm(norm, hidden, residual)` where the original did
-`residual + hidden` and then `norm(...)`. It runs one `add_rms_norm`, unless the norm has torch
-hooks: then it adds and calls the norm normally, so hooks see exactly what they see unpatched
-(one tensor in, the normalised input; one tensor out), and the bypass is counted for the report.
+`residual + hidden` and then `norm(...)`. It runs one `add_rms_norm`, unless fusing would not be
+exactly the original: the norm has torch hooks (they must see one tensor in, the normalised
+input, and one tensor out), or the add would promote or broadcast (a float32 residual stream).
+Then it adds and calls the norm normally, and counts the bypass and its reason for the report.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class Site:
         self.requested_backend = backend
         self.call = ops.BoundNorm(module.weight, eps, cast_mode, backend, Stats())  # what every call runs
         self.fused = False
-        self.hook_bypass = 0  # fused calls that ran unfused because the norm had hooks
+        self.bypassed: dict[str, int] = {}  # fused calls that ran unfused, by reason
         self._attr = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
         self._saved = module.__dict__.get(self._attr)  # accelerate's inner forward, or None
 
@@ -74,7 +75,7 @@ class Site:
                 "backend": stats.backend or self.requested_backend, "requested_backend": self.requested_backend,
                 "D": int(w.shape[0]),
                 "eps": self.eps, "dtype": str(w.dtype).replace("torch.", ""), "device": str(w.device),
-                "fused_residual": self.fused, "fusion_bypassed": self.hook_bypass, "calls": stats.calls,
+                "fused_residual": self.fused, "fusion_bypassed": dict(self.bypassed), "calls": stats.calls,
                 "ran_on": dict(stats.ran), "fallbacks": dict(stats.fallbacks)}
 
 
@@ -99,15 +100,24 @@ def has_hooks(module: torch.nn.Module) -> bool:
                 or _nn_module._global_backward_pre_hooks)
 
 
+def _bypass_reason(norm, hidden, residual) -> str | None:
+    if has_hooks(norm):
+        return "the norm has hooks"
+    if not isinstance(residual, torch.Tensor) or residual.dtype != hidden.dtype or residual.shape != hidden.shape:
+        return "the residual add promotes or broadcasts"
+    return None
+
+
 def add_norm(norm: torch.nn.Module, hidden, residual):
-    """`x_out = residual + hidden; return norm(x_out), x_out`, as one fused op where nothing observes the norm."""
+    """`x_out = residual + hidden; return norm(x_out), x_out`, as one fused op where that is exactly the same."""
     site = norm.__dict__.get(_SLOT)
-    if site is None or has_hooks(norm):
-        if site is not None:
-            site.hook_bypass += 1
-        x_out = residual + hidden
-        return norm(x_out), x_out
-    return norm.forward(hidden, residual=residual)
+    reason = "the norm is not patched" if site is None else _bypass_reason(norm, hidden, residual)
+    if reason is None:
+        return norm.forward(hidden, residual=residual)
+    if site is not None:
+        site.bypassed[reason] = site.bypassed.get(reason, 0) + 1
+    x_out = residual + hidden
+    return norm(x_out), x_out
 
 
 def site_of(module: torch.nn.Module) -> Site | None:
