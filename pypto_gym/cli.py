@@ -9,6 +9,9 @@ import time
 from pathlib import Path
 
 
+from .capture.cases import MAX_ELEMENTS
+
+
 class UserError(Exception):
     """A problem with what the user passed: printed as one line, no traceback."""
 
@@ -25,7 +28,8 @@ def _add_model_args(ap, many: bool = False):
         ap.add_argument("--prompt", default="Read the text in the image.")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "npu", "cuda"])
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                    help="model dtype (default: the checkpoint's)")
+                    help="model dtype (default: bfloat16 where the hardware computes it natively: NPU, CUDA, a CPU "
+                         "with AVX512-BF16 or AMX; else float32)")
 
 
 def _add_patch_args(ap):
@@ -39,18 +43,45 @@ def _add_patch_args(ap):
 
 
 def patch_options(args) -> dict | None:
-    """The patch settings from flags, else the environment (SPEC 6); None when patching is off."""
+    """The patch settings from flags, else the environment (SPEC 6); None when patching is off.
+
+    Read and validated before any model is loaded, so a typo costs nothing. USE_PTO_RMS_NORM has
+    its one meaning (config.py): 1 patches as --use_pto does, 0 or unset does not; the flag wins.
+    """
     from . import config
     from .ops import registry
+    from .patching import discovery
 
     use = args.use_pto if args.use_pto is not None else config.env_bool("USE_PTO_RMS_NORM", False)
     if not use:
         return None
     config.set_enabled(True)  # --use_pto beats USE_PTO_RMS_NORM=0
-    backend = registry.env_backend() if args.backend is None else registry.check_name(args.backend, "--backend")
+    if args.backend is None:
+        backend = registry.env_backend()
+    else:
+        backend = registry.check_name(args.backend.strip().lower(), "--backend")
     fuse = args.fuse_residual if args.fuse_residual is not None else config.env_bool("PYPTO_GYM_FUSE_RESIDUAL", True)
-    return {"backend": backend, "sites": args.sites or os.environ.get("PYPTO_GYM_SITES") or None,
-            "fuse_residual": fuse}
+    sites = args.sites if args.sites is not None else os.environ.get("PYPTO_GYM_SITES")
+    return {"backend": backend, "sites": discovery.parse_sites(sites), "fuse_residual": fuse}
+
+
+def _patch(model, options, command: str):
+    """Patch with `options`; a --sites filter that selects nothing is an error, not a silent no-op."""
+    from .patching import patch_model
+
+    report = patch_model(model, **options)
+    summary = report.to_json()["summary"]
+    if options["sites"] and summary["patched"] == 0:
+        kinds = sorted({r["kind"] for r in report.to_json()["sites"]})
+        raise UserError(f"--sites {','.join(options['sites'])!r} matched none of the {summary['candidates']} norm "
+                        f"sites (kinds here: {', '.join(kinds)})")
+    return report
+
+
+def _model_dtype(args, device: str) -> str:
+    from .inference import default_dtype
+
+    return args.dtype or default_dtype(device)
 
 
 def _load(args):
@@ -59,22 +90,21 @@ def _load(args):
 
     device = resolve_device(args.device)
     t0 = time.perf_counter()
-    model, processor = load_model_and_processor(args.model or TINY_DIR, args.dtype or "auto", device)
+    model, processor = load_model_and_processor(args.model or TINY_DIR, _model_dtype(args, device), device)
     return model, processor, device, time.perf_counter() - t0
 
 
 def cmd_infer(args) -> int:
+    from . import files
     from .inference import InferenceResult, generate, open_image, peak_memory_mb
     from .models.qwen2_5_vl import SAMPLE_IMAGE
 
+    options = patch_options(args)
+    if args.report_file:
+        files.check_writable(args.report_file, "--report-file")
     image = open_image(args.image or SAMPLE_IMAGE)
     model, processor, device, load_s = _load(args)
-    options = patch_options(args)
-    report = None
-    if options is not None:
-        from .patching import patch_model
-
-        report = patch_model(model, **options)
+    report = _patch(model, options, "infer") if options is not None else None
     texts, n_new, prefill_s, tps = generate(model, processor, [args.prompt], [image], args.max_new_tokens)
     result = InferenceResult(text=texts, new_tokens=n_new, load_s=load_s, prefill_s=prefill_s,
                              decode_tokens_per_s=tps, peak_memory_mb=peak_memory_mb(device),
@@ -86,8 +116,7 @@ def cmd_infer(args) -> int:
     print(f"load {load_s:.2f} s | prefill {prefill_s * 1e3:.1f} ms | decode {tps:.1f} tokens/s | "
           f"peak memory {result.peak_memory_mb:.0f} MB | {device} {result.dtype}")
     if args.report_file:
-        with open(args.report_file, "w") as f:
-            json.dump(result.to_json(), f, indent=2)
+        files.write_text(args.report_file, json.dumps(result.to_json(), indent=2) + "\n")
         print(f"report written to {args.report_file}")
     return 0
 
@@ -98,19 +127,21 @@ def _load_for_capture(args):
     from .models.qwen2_5_vl import TINY_DIR, Processor, build_random_model, load_model_and_processor
 
     device = resolve_device(args.device)
+    dtype = _model_dtype(args, device)
     if args.config:
         processor = Processor(TINY_DIR)
-        print(f"building a random-weight model from {args.config} "
+        print(f"building a random-weight {dtype} model from {args.config} "
               f"(text layers={args.num_layers or 'all'}, vision depth={args.vision_depth or 'all'})", flush=True)
-        model = build_random_model(args.config, args.num_layers, args.vision_depth, args.dtype or "bfloat16",
+        model = build_random_model(args.config, args.num_layers, args.vision_depth, dtype,
                                    token_ids=processor.token_ids())
         return model.to(device), processor
-    model, processor = load_model_and_processor(args.model or TINY_DIR, args.dtype or "auto", device)
+    model, processor = load_model_and_processor(args.model or TINY_DIR, dtype, device)
     return model, processor
 
 
 def cmd_capture(args) -> int:
-    from .capture import ShapeRecorder
+    from . import files
+    from .capture import ShapeRecorder, load_cases
     from .inference import generate, open_image
     from .models.qwen2_5_vl import DOCUMENT_IMAGE, SAMPLE_IMAGE
 
@@ -118,15 +149,16 @@ def cmd_capture(args) -> int:
         raise UserError("--model and --config: give one (a checkpoint, or a config for random weights)")
     if args.batch_size < 1:
         raise UserError(f"--batch-size: got {args.batch_size}; expected >= 1")
+    options = patch_options(args)
+    out = files.check_writable(args.out, "--out")  # before the model is built and run, not after
+    if out.exists() and not args.no_merge:
+        load_cases(out, max_elements=None)  # an existing --out must be a case file to merge into
     image_paths = args.image or [str(SAMPLE_IMAGE), str(DOCUMENT_IMAGE)]
     images = [open_image(p) for p in image_paths]
     prompts = args.prompt or ["Read the text in the image."]
     model, processor = _load_for_capture(args)
-    options = patch_options(args)
     if options is not None:
-        from .patching import patch_model
-
-        patch_model(model, **options)
+        _patch(model, options, "capture")
     requests = [(p, im, path) for p in prompts for im, path in zip(images, image_paths)]
     batches = [requests[i:i + args.batch_size] for i in range(0, len(requests), args.batch_size)]
     with ShapeRecorder(model) as rec:
@@ -134,23 +166,30 @@ def cmd_capture(args) -> int:
             desc = ", ".join(f"{Path(path).name} {im.size[0]}x{im.size[1]}" for _, im, path in batch)
             print(f"[{i}/{len(batches)}] generate {args.max_new_tokens} tokens: {desc}", flush=True)
             generate(model, processor, [p for p, _, _ in batch], [im for _, im, _ in batch], args.max_new_tokens)
-    info = rec.save(args.out, model_name=args.model_name, merge=not args.no_merge)
+    info = rec.save(out, model_name=args.model_name, merge=not args.no_merge)
     print(f"{info['cases']} cases in {info['path']} ({info['added']} new)")
     return 0
 
 
 def cmd_cases_run(args) -> int:
+    from . import files
     from .capture.runner import format_table, run_file
 
-    def progress(i, n, row):
-        if args.progress:
-            print(f"[{i}/{n}] {row['id']} {'PASS' if row['passed'] else 'FAIL'}", file=sys.stderr, flush=True)
+    if args.max_elements < 1:
+        raise UserError(f"--max-elements: got {args.max_elements}; expected >= 1")
+    if args.json:
+        files.check_writable(args.json, "--json")
+    start = time.perf_counter()
 
-    rows = run_file(args.file, args.backend, args.repeat, progress)
+    def progress(i, n, row):
+        if not args.quiet:
+            print(f"[{i}/{n}] {row['id']} {row['result']} ({time.perf_counter() - start:.0f} s)", file=sys.stderr,
+                  flush=True)
+
+    rows = run_file(args.file, args.backend, args.repeat, progress, args.max_elements)
     print(format_table(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        files.write_text(args.json, json.dumps(rows, indent=2) + "\n")
     return 0 if all(r["passed"] for r in rows) else 1
 
 
@@ -222,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--backend", default="auto")
     r.add_argument("--repeat", type=int, default=5, help="timed calls per case (median reported)")
     r.add_argument("--json", help="write the rows as JSON")
-    r.add_argument("--progress", action="store_true", help="print a line per case on stderr")
+    r.add_argument("--max-elements", type=int, default=MAX_ELEMENTS,
+                   help=f"refuse cases with a tensor above this many elements (default {MAX_ELEMENTS:,})")
+    r.add_argument("--quiet", action="store_true", help="no progress line per case on stderr")
     r.set_defaults(func=cmd_cases_run)
 
     p = sub.add_parser("bench", help="benchmarks: ops, cases, pypto, e2e (ratios, JSON, PNG)")
@@ -261,14 +302,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Exit status: 0 success (benchmarks: every goal met), 1 a case failed or was not run (benchmarks:
+    a goal missed), 2 bad usage or input (one line on stderr, no traceback; PYPTO_GYM_DEBUG=1 shows it)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UserError, FileNotFoundError, ValueError, TypeError, RuntimeError) as e:
+    except (UserError, OSError, ValueError, TypeError, RuntimeError) as e:
         if os.environ.get("PYPTO_GYM_DEBUG"):
             raise
-        print(f"pypto-gym {args.command}: error: {e}", file=sys.stderr)
+        text = " ".join(str(e).split()) or type(e).__name__
+        print(f"pypto-gym {args.command}: error: {text}", file=sys.stderr)
         return 2
 
 

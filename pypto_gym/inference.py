@@ -41,14 +41,43 @@ class _StepClock:
         return scores
 
 
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
+def _npu_available() -> bool:
     import torch
 
-    if getattr(torch, "npu", None) is not None and torch.npu.is_available():
-        return "npu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return getattr(torch, "npu", None) is not None and torch.npu.is_available()
+
+
+def resolve_device(device: str) -> str:
+    """`--device`: auto picks npu, then cuda, then cpu; a device that is not there is one clear error."""
+    import importlib.util
+
+    import torch
+
+    if device == "auto":
+        return "npu" if _npu_available() else "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        build = "without CUDA" if torch.version.cuda is None else f"with CUDA {torch.version.cuda}"
+        raise ValueError(f"--device cuda: no CUDA device (torch {torch.__version__} was built {build})")
+    if device == "npu" and not _npu_available():
+        if importlib.util.find_spec("torch_npu") is None:
+            raise ValueError("--device npu: torch_npu is not installed (it needs CANN: pip install "
+                             "'pypto-gym[npu]' on an Ascend machine)")
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device with torch)
+        except Exception as e:  # noqa: BLE001 - without CANN the import itself fails
+            raise ValueError(f"--device npu: torch_npu cannot be imported ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
+        if not _npu_available():
+            raise ValueError("--device npu: torch_npu is imported but reports no NPU (torch.npu.is_available())")
+    return device
+
+
+def default_dtype(device: str) -> str:
+    """bfloat16 where the hardware computes it natively (NPU, CUDA, a CPU with AVX512-BF16 or AMX), else
+    float32: on a CPU without native bf16, torch's bf16 matmul is two orders of magnitude slower."""
+    from .hardware import native_bf16
+
+    return "bfloat16" if device != "cpu" or native_bf16() else "float32"
 
 
 def peak_memory_mb(device: str) -> float:

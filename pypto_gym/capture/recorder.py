@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
+from .. import files
 from ..patching import discovery, fusion
 from ..patching.wrapper import site_of
-from .cases import OP_SCHEMA, tolerance
+from .cases import OP_SCHEMA, load_cases, read_json, tolerance
 
 PHASE_ORDER = {"prefill": 0, "decode": 1}
 
@@ -106,13 +107,16 @@ class ShapeRecorder:
         return out
 
     def save(self, path, model_name: str | None = None, merge: bool = True, seed: int = 42) -> dict:
-        """Write the cases; with merge, an existing file keeps its cases and gains only new ones."""
+        """Write the cases (atomically); with merge, an existing file keeps its cases and gains only new ones.
+
+        An existing file that is not a valid case file is refused (CaseError), never overwritten."""
         p = Path(path)
         new = self.cases(seed)
         cases, added = new, len(new)
         if merge and p.exists():
-            existing = json.loads(p.read_text())
-            cases = existing.get("test_cases", [])
+            load_cases(p, max_elements=None)  # refuse to merge into something that is not a case file
+            existing = read_json(p)
+            cases = existing["test_cases"]
             have = {case_key(c) for c in cases}
             counters = {}
             for c in cases:
@@ -127,8 +131,7 @@ class ShapeRecorder:
                     added += 1
             model_name = model_name or existing.get("model")
         doc = {"model": model_name, "test_cases": cases}
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(doc, indent=2) + "\n")
+        files.write_text(p, json.dumps(doc, indent=2) + "\n")
         return {"path": str(p), "cases": len(cases), "added": added}
 
 

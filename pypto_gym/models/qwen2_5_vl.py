@@ -7,12 +7,12 @@ itself is model-agnostic (it finds norms by structure and math, not by class nam
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MODELING_DIR = REPO_ROOT / "modeling"
+MODELING_DIR = Path(importlib.import_module("pypto_gym.modeling").__file__).parent  # modeling/, installed too
 TINY_DIR = MODELING_DIR / "tiny_qwen2_5_vl"
 GUTENOCR_CONFIG = MODELING_DIR / "gutenocr_3b" / "config.json"
 SAMPLE_IMAGE = TINY_DIR / "sample.png"

@@ -1,0 +1,150 @@
+"""The command line on bad input and OS errors: one clear line on stderr, exit 2, never a traceback,
+and never after the expensive part (a model load or a generate run) when it could have been before."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pypto_gym.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = ROOT / "tests" / "cases" / "tiny_qwen2_5_vl.json"
+
+
+def run_cli(capsys, *argv):
+    t0 = time.perf_counter()
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err, time.perf_counter() - t0
+
+
+def one_line_error(rc, err, *needles):
+    lines = [line for line in err.strip().splitlines() if line.strip() and "Loading weights" not in line]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_run_cases_on_a_directory(capsys, tmp_path):
+    rc, _, err, _ = run_cli(capsys, "cases", "run", str(tmp_path))
+    one_line_error(rc, err, "is a directory")
+
+
+def test_run_cases_on_a_symlink_loop(capsys, tmp_path):
+    loop = tmp_path / "loop.json"
+    loop.symlink_to(loop)
+    rc, _, err, _ = run_cli(capsys, "cases", "run", str(loop))
+    one_line_error(rc, err, str(loop))
+
+
+def test_run_cases_on_a_non_utf8_file(capsys, tmp_path):
+    bad = tmp_path / "latin1.json"
+    bad.write_bytes('{"test_cases": ["caf\xe9"]}'.encode("latin-1"))
+    rc, _, err, _ = run_cli(capsys, "cases", "run", str(bad))
+    one_line_error(rc, err, "not UTF-8")
+
+
+@pytest.mark.parametrize("out,needle", [
+    ("/proc/pypto_gym_capture.json", "--out: cannot write in /proc"),
+    ("{file}/x.json", "is a file, so"),
+    ("{dir}", "is a directory"),
+])
+def test_capture_refuses_an_unwritable_out_before_building_anything(capsys, tmp_path, out, needle):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    out = out.format(file=afile, dir=tmp_path)
+    rc, stdout, err, seconds = run_cli(capsys, "capture", "--out", out)
+    one_line_error(rc, err, needle)
+    assert "generate" not in stdout and seconds < 10
+
+
+@pytest.mark.parametrize("content,needle", [
+    ([1, 2], "field 'test_cases': missing or not a list"),
+    ({"test_cases": [{"id": "a", "op": "rms_norm", "seed": 1, "output": {}}]}, "case 'a': field 'input': missing"),
+])
+def test_capture_refuses_to_merge_into_something_that_is_not_a_case_file(capsys, tmp_path, content, needle):
+    out = tmp_path / "cases.json"
+    out.write_text(json.dumps(content))
+    rc, stdout, err, _ = run_cli(capsys, "capture", "--out", str(out))
+    one_line_error(rc, err, needle)
+    assert "generate" not in stdout and json.loads(out.read_text()) == content  # untouched
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--use_pto", "--backend", "gpu"], "--backend: got 'gpu'"),
+    (["--device", "cuda"], "--device cuda: no CUDA device"),
+    (["--device", "npu"], "--device npu: torch_npu is not installed"),
+])
+def test_infer_refuses_bad_flags_before_loading(capsys, argv, needle):
+    rc, _, err, seconds = run_cli(capsys, "infer", *argv)
+    one_line_error(rc, err, needle)
+    assert seconds < 10
+
+
+def test_infer_backend_flag_is_normalised(capsys, monkeypatch):
+    from pypto_gym.cli import build_parser, patch_options
+
+    options = patch_options(build_parser().parse_args(["infer", "--use_pto", "--backend", " CPU"]))
+    assert options["backend"] == "cpu"
+
+
+def test_a_sites_glob_that_matches_nothing_is_an_error(capsys):
+    rc, stdout, err, _ = run_cli(capsys, "infer", "--use_pto", "--sites", "txet.*", "--max-new-tokens", "1")
+    one_line_error(rc, err, "--sites 'txet.*' matched none of the 18 norm sites", "text.input_layernorm")
+    assert "generated:" not in stdout
+
+
+def test_environment_switches_are_parsed_by_one_rule(monkeypatch):
+    from pypto_gym.cli import build_parser, patch_options
+
+    parse = lambda *a: build_parser().parse_args(["infer", *a])  # noqa: E731
+    assert patch_options(parse()) is None  # USE_PTO_RMS_NORM unset: the scripts do not patch
+    for value in ("0", "off", "No", " FALSE "):
+        monkeypatch.setenv("USE_PTO_RMS_NORM", value)
+        assert patch_options(parse()) is None
+    monkeypatch.setenv("USE_PTO_RMS_NORM", "ON")
+    monkeypatch.setenv("PYPTO_GYM_BACKEND", " Torch ")
+    monkeypatch.setenv("PYPTO_GYM_SITES", "text.*")
+    monkeypatch.setenv("PYPTO_GYM_FUSE_RESIDUAL", "off")
+    assert patch_options(parse()) == {"backend": "torch", "sites": ["text.*"], "fuse_residual": False}
+    assert patch_options(parse("--backend", "cpu", "--sites", "vision.*")) == \
+        {"backend": "cpu", "sites": ["vision.*"], "fuse_residual": False}  # a flag beats the environment
+    monkeypatch.setenv("USE_PTO_RMS_NORM", "0")
+    assert patch_options(parse("--use_pto"))["backend"] == "torch"
+    monkeypatch.setenv("PYPTO_GYM_BACKEND", "gpu")
+    with pytest.raises(ValueError, match="PYPTO_GYM_BACKEND: got 'gpu'"):  # blames the variable, not --backend
+        patch_options(parse("--use_pto"))
+    monkeypatch.setenv("PYPTO_GYM_FUSE_RESIDUAL", "maybe")
+    monkeypatch.setenv("PYPTO_GYM_BACKEND", "cpu")
+    with pytest.raises(ValueError, match="PYPTO_GYM_FUSE_RESIDUAL: got 'maybe'"):
+        patch_options(parse("--use_pto"))
+
+
+def test_runner_says_not_run_when_the_backend_did_not_run(capsys):
+    rc, stdout, _, _ = run_cli(capsys, "cases", "run", str(CASES), "--backend", "npu", "--repeat", "0", "--quiet")
+    assert rc == 1
+    lines = stdout.strip().splitlines()
+    assert all("NOT RUN npu: device is cpu" in line for line in lines[2:-1])
+    assert lines[-1] == f"0 passed, 0 failed, {len(lines) - 3} not run"
+
+
+def test_a_huge_case_is_refused_before_anything_is_allocated(capsys, tmp_path):
+    doc = json.loads(CASES.read_text())
+    case = doc["test_cases"][0]
+    case["input"]["hidden_states"]["shape"] = [400000, 2048]  # 8e8 elements, ~3 GB as bf16
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps(doc))
+    rc, _, err, seconds = run_cli(capsys, "cases", "run", str(path), "--repeat", "0")
+    one_line_error(rc, err, f"case '{case['id']}': field 'input.hidden_states.shape'", "above the cap of",
+                   "--max-elements")
+    assert seconds < 10
+
+
+def test_scripts_are_the_same_commands():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_cases.py"), str(ROOT)], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYPTO_GYM_STRICT": "0"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "is a directory" in out.stderr
