@@ -97,21 +97,71 @@ def _write(tmp_path, mutate):
     return p, doc["test_cases"][0].get("id")
 
 
-@pytest.mark.parametrize("mutate,field,message", [
+def _quant(c):
+    """Turn a rms_norm case into a rms_norm_dynamic_quant case (same shapes)."""
+    c["op"] = "rms_norm_dynamic_quant"
+    c["output"] = {}
+
+
+MALFORMED = [  # (mutation, field named, words of the message)
     (lambda c: c["input"]["hidden_states"].update(dtype="bfloat32"), "input.hidden_states.dtype", "unknown dtype"),
     (lambda c: c.pop("seed"), "seed", "missing"),
     (lambda c: c["input"].pop("hidden_states"), "input.hidden_states", "missing"),
-    (lambda c: c["input"]["weight"].update(shape=[7]), "input.weight.shape", r"got \[7\]; expected \[2048\]"),
+    (lambda c: c["input"]["weight"].update(shape=[7]), "input.weight.shape", "got [7]; expected [2048]"),
     (lambda c: c.update(op="layer_norm"), "op", "unknown op"),
-])
+    (lambda c: c.update(op=["rms_norm"]), "op", "unknown op ['rms_norm']"),
+    (lambda c: c.update(id=["x"]), "id", "expected a non-empty string"),
+    (lambda c: c.update(seed=2 ** 70), "seed", "expected an int in [0, 2^64)"),
+    (lambda c: c.update(seed=True), "seed", "got True"),
+    (lambda c: c.update(description=123), "description", "got 123; expected a string"),
+    (lambda c: c["input"]["hidden_states"].update(shape=[True, 64]), "input.hidden_states.shape",
+     "expected a list of non-negative ints"),
+    (lambda c: c["input"]["hidden_states"].update(shape=[1, 0]), "input.hidden_states.shape", "last dim D is 0"),
+    (lambda c: c["input"].update(eps={"value": float("nan")}), "input.eps.value", "got nan; expected a finite"),
+    (lambda c: c["input"].update(eps=1e-6), "input.eps", 'expected {"value": ...}'),
+    (lambda c: (_quant(c), c["input"].update(eps={"value": 0})), "input.eps.value", "> 0 (quant ops)"),
+    (lambda c: (_quant(c), c["input"].update(dst_type={"value": "int2"})), "input.dst_type.value", "got 'int2'"),
+    (lambda c: (_quant(c), c["input"].update(dst_type="int8")), "input.dst_type", 'expected {"value": ...}'),
+    (lambda c: (_quant(c), c["input"].update(dst_type=None)), "input.dst_type", "got None"),
+    (lambda c: (_quant(c), c["input"]["weight"].update(dtype="float32")), "input.weight.dtype",
+     "the quant ops need torch.bfloat16"),
+]
+
+
+@pytest.mark.parametrize("mutate,field,message", MALFORMED, ids=[f"{i}:{f}" for i, (_, f, _) in enumerate(MALFORMED)])
 def test_malformed_case_file_is_refused_with_id_and_field(tmp_path, mutate, field, message):
     path, cid = _write(tmp_path, mutate)
-    with pytest.raises(CaseError, match=f"case '{cid}': field '{field}': {message}"):
+    with pytest.raises(CaseError) as err:
         load_cases(path)
+    text = str(err.value)
+    assert f"case {cid!r}: field '{field}': " in text and message in text, text
+
+
+def test_malformed_case_file_through_the_script(tmp_path):
+    path, cid = _write(tmp_path, lambda c: c["input"]["weight"].update(shape=[7]))
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_cases.py"), str(path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert f"field '{field}'" in proc.stderr and cid in proc.stderr
+    assert "field 'input.weight.shape'" in proc.stderr and cid in proc.stderr
+
+
+def test_saving_is_atomic_an_interrupted_write_keeps_the_old_file(tiny_loaded, sample_inputs, tmp_path, monkeypatch):
+    model, _ = tiny_loaded
+    path = tmp_path / "cases.json"
+    capture(model, sample_inputs).save(path, model_name="tiny")
+    before = path.read_bytes()
+    real_write = Path.write_text
+
+    def disk_full(self, *args, **kwargs):
+        real_write(self, "{\"test_cases\": [", encoding="utf-8")  # a partial write, then the disk is full
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        capture(model, sample_inputs).save(path, merge=False)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and len(load_cases(path)) > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["cases.json"]  # no temporary file left behind
 
 
 class _WrongBackend(registry.Backend):
@@ -134,7 +184,7 @@ def test_runner_fails_when_a_backend_is_wrong():
         del registry.BACKENDS["wrong"]
     assert rows and not any(r["passed"] for r in rows)
     assert "MERE" in rows[0]["reason"]
-    assert format_table(rows).splitlines()[-1] == f"0 passed, {len(rows)} failed"
+    assert format_table(rows).splitlines()[-1] == f"0 passed, {len(rows)} failed, 0 not run"
 
 
 def test_committed_case_files_exist():

@@ -1,0 +1,49 @@
+"""Building and caching the cpu kernels safely: the package's ninja, stale locks, CPU-keyed caches."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from pypto_gym import hardware
+from pypto_gym.ops.backends import cpu
+
+
+def test_the_build_uses_the_ninja_this_package_depends_on(monkeypatch):
+    import ninja
+
+    monkeypatch.setenv("PATH", "/nonexistent")  # no system ninja at all, as on a fresh machine
+    assert shutil.which("ninja") is None
+    with cpu._package_ninja():
+        assert shutil.which("ninja") == os.path.join(ninja.BIN_DIR, "ninja")
+    assert os.environ["PATH"] == "/nonexistent"  # restored
+
+
+def test_a_stale_lock_from_a_killed_build_is_removed_not_waited_on():
+    """torch's FileBaton `lock` left by a killed build used to make every later first use hang."""
+    folder = cpu.build_dir(hardware.best_isa())
+    cpu.build(hardware.best_isa())  # make sure the kernels exist, so the run below only loads them
+    (folder / "lock").write_text("")
+    code = "from pypto_gym.ops import registry; print(registry.get('cpu').unavailable_reason())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stderr
+    assert "left by a build that was killed" in proc.stderr
+    assert not (folder / "lock").exists()
+
+
+def test_builds_are_keyed_by_instruction_set_and_refused_on_a_cpu_without_it(monkeypatch):
+    assert len({cpu.build_dir(isa) for isa, _ in hardware.ISA_LEVELS}) == len(hardware.ISA_LEVELS)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    assert hardware.best_isa() == "avx2"
+    backend = cpu.CpuBackend(isa="avx512bf16", name="cpu_test")
+    assert "this CPU does not run avx512bf16 code" in backend.unavailable_reason()
+
+
+@pytest.mark.parametrize("flags,level", [({"avx2", "fma", "f16c"}, "avx2"), (set(), "generic"),
+                                         ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"},
+                                          "avx512")])
+def test_the_level_follows_the_cpu(monkeypatch, flags, level):
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
+    assert hardware.best_isa() == level
+    assert hardware.native_bf16() is False
