@@ -1,8 +1,9 @@
 """Comparison metrics and the pass rule of SPEC 5, shared by tests, the case runner and benchmarks.
 
 MERE/MARE are the mean/max relative error with a 1e-7 floor on the golden; the threshold T
-depends on the output dtype. Quantised outputs are judged by how many codes differ and by how
-much, and their scales by relative error.
+depends on the output dtype. Quantised outputs are judged by how many codes differ (at most 0.1%,
+and at least one code is always allowed: a tie at .5 flipped by a last-bit difference of the row's
+rms is not a defect even in a 100-element tensor) and by how much, and their scales by relative error.
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def compare(actual: torch.Tensor, golden: torch.Tensor, name: str = "output") ->
     if not actual.is_floating_point():
         n_diff = int((diff > 0).sum())
         frac = n_diff / max(1, diff.numel())
-        ok = max_abs <= QUANT_MAX_DIFF and frac <= QUANT_MAX_FRACTION
+        # at most 0.1% of the codes, and always one: a single rounding tie in a small tensor is not a defect
+        ok = max_abs <= QUANT_MAX_DIFF and n_diff <= max(1, int(QUANT_MAX_FRACTION * diff.numel()))
         why = "" if ok else f"{n_diff} codes differ ({frac:.3%}), max |diff| {max_abs:g}"
         return Comparison(name, max_abs, cos, mere, mare, ok, why)
     if name.startswith("scale"):
