@@ -12,6 +12,9 @@ from pathlib import Path
 from .capture.cases import MAX_ELEMENTS
 
 
+BENCH_OUT = Path("out") / "bench"  # scratch: benchmarks never overwrite committed figures unless told to
+
+
 class UserError(Exception):
     """A problem with what the user passed: printed as one line, no traceback."""
 
@@ -193,14 +196,36 @@ def cmd_cases_run(args) -> int:
     return 0 if all(r["passed"] for r in rows) else 1
 
 
+def _bench_outputs(args, name: str):
+    """--json/--png default to a scratch folder (out/bench/): committed figures are written explicitly."""
+    from . import files
+
+    paths = [args.json or str(BENCH_OUT / f"{name}.json"), args.png or str(BENCH_OUT / f"{name}.png")]
+    for flag, path in zip(("--json", "--png"), paths):
+        files.check_writable(path, flag)
+    return paths
+
+
 def cmd_bench_ops(args) -> int:
+    from . import hardware
     from .bench import ops_bench
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in dtypes if d not in ops_bench.DTYPES]
-    if bad:
-        raise UserError(f"--dtypes: got {bad}; expected a comma list of {', '.join(ops_bench.DTYPES)}")
-    return ops_bench.run(dtypes, args.quick, args.rounds, args.json, args.png, pin=not args.no_pin_allocator)
+    if bad or not dtypes:
+        raise UserError(f"--dtypes: got {args.dtypes!r}; expected a comma list of {', '.join(ops_bench.DTYPES)}")
+    levels = [name for name, _ in hardware.ISA_LEVELS]
+    isas = [i.strip() for i in args.isa.split(",") if i.strip()]
+    if isas == ["all"]:
+        isas = [i for i in levels if hardware.supports_isa(i)]
+    elif isas == ["best"]:
+        isas = [hardware.best_isa()]
+    for isa in isas:
+        if isa not in levels or not hardware.supports_isa(isa):
+            raise UserError(f"--isa: got {isa!r}; this CPU runs {', '.join(i for i in levels if hardware.supports_isa(i))}")
+    json_path, png_path = _bench_outputs(args, "ops")
+    return ops_bench.run(dtypes, args.quick, args.rounds, json_path, png_path, pin=not args.no_pin_allocator,
+                         isas=isas)
 
 
 def cmd_bench_e2e(args) -> int:
@@ -274,8 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=15, help="interleaved rounds per shape (median reported)")
     b.add_argument("--no-pin-allocator", action="store_true",
                    help="time with glibc's default mmap/trim behaviour (page faults make large shapes bimodal)")
-    b.add_argument("--json", default="docs/results/ops.json")
-    b.add_argument("--png", default="docs/results/ops.png")
+    b.add_argument("--isa", default="best", help="cpu kernel levels to time: best (default), all, or a comma list "
+                                                 "of avx512bf16,avx512,avx2,generic")
+    b.add_argument("--json", help=f"default: {BENCH_OUT}/ops.json")
+    b.add_argument("--png", help=f"default: {BENCH_OUT}/ops.png")
     b.set_defaults(func=cmd_bench_ops)
     b = bench_sub.add_parser("e2e", help="end to end at GutenOCR-3B dims: unpatched vs patched variants")
     b.add_argument("--num-layers", type=int, default=4)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from pathlib import Path
+
+from .. import files
 
 
 def interleaved_medians(fns: dict, rounds: int = 15, min_seconds: float = 0.002) -> dict:
@@ -52,9 +53,20 @@ def pin_allocator() -> str:
     return "allocator pinned (glibc: no mmap, no trim)" if ok else "allocator not pinned (not glibc)"
 
 
+def header(name: str) -> str:
+    """The first line of every benchmark: what it ran on (figures differ a lot between CPUs)."""
+    import platform
+
+    import torch
+
+    from .. import hardware
+
+    return (f"pypto-gym {name} | {hardware.capability()} | {torch.get_num_threads()} threads | "
+            f"torch {torch.__version__} | python {platform.python_version()} | {time.strftime('%Y-%m-%d')}")
+
+
 def write_json(path, data) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    files.write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def goal_line(ok: bool, text: str) -> str:
@@ -71,7 +83,7 @@ def save_plot(path, draw) -> str:
     except ImportError:
         return "plot skipped: matplotlib not installed (pip install -e '.[test]')"
     fig = draw(plt)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    with files.atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
     plt.close(fig)
     return f"plot written to {path}"

@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -105,6 +106,26 @@ template <> inline V vround<BF16>(V v) { return widen16(bf16_pack(v)); }
 template <> inline V vround<F16>(V v) {
   return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
+// FINITE: the caller knows no NaN can occur (finite row and gamma), so the integer rounding needs no NaN blend
+template <class X, bool FINITE> inline V vround_t(V v) { return vround<X>(v); }
+template <class X, bool FINITE> inline void vstore2_t(typename X::T* p, V a, V b) {
+  vstore<X>(p, a);
+  vstore<X>(p + W, b);
+}
+#if !defined(__AVX512BF16__)
+inline __m512i bf16_rne(V v) {  // v rounded to bf16 (round to nearest even), bits still in the high half
+  __m512i u = _mm512_castps_si512(v);
+  return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                          _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+}
+template <> inline V vround_t<BF16, true>(V v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(bf16_rne(v), _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+template <> inline void vstore2_t<BF16, true>(uint16_t* p, V a, V b) {
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rne(a), 16)));
+  _mm256_storeu_si256((__m256i*)(p + W), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rne(b), 16)));
+}
+#endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PG_SIMD 1
 constexpr int64_t W = 8;
@@ -158,6 +179,25 @@ template <> inline V vround<BF16>(V v) {  // keep the rounded high half in place
 }
 template <> inline V vround<F16>(V v) {
   return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// FINITE: the caller knows no NaN can occur (finite row and gamma), so the integer rounding needs no
+// NaN blend, and pairs of vectors share one pack and one permute
+inline __m256i bf16_rne(V v) {  // v rounded to bf16 (round to nearest even), bits still in the high half
+  __m256i u = _mm256_castps_si256(v);
+  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                          _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+}
+template <class X, bool FINITE> inline V vround_t(V v) { return vround<X>(v); }
+template <> inline V vround_t<BF16, true>(V v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(bf16_rne(v), _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+template <class X, bool FINITE> inline void vstore2_t(typename X::T* p, V a, V b) {
+  vstore<X>(p, a);
+  vstore<X>(p + W, b);
+}
+template <> inline void vstore2_t<BF16, true>(uint16_t* p, V a, V b) {
+  __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(bf16_rne(a), 16), _mm256_srli_epi32(bf16_rne(b), 16));
+  _mm256_storeu_si256((__m256i*)p, _mm256_permute4x64_epi64(packed, 0xD8));  // lanes back in order
 }
 #else
 constexpr int64_t W = 0;  // no vector path: every loop below is its scalar tail
@@ -324,8 +364,9 @@ inline int64_t bf16_row_blocks(const uint16_t* x, const float* gq, uint16_t* y, 
 
 // One row of output, and the sum of squares of `next` (the following row, or null) in the same pass.
 // hf:   y = O(g * T(x * r))        fp32: y = T((x * r) * g)        (O: output dtype, T: input dtype)
-// gq: gamma in the bf16 block order (bf16 in and out on AVX512-BF16), else null
-template <class X, class O>
+// gq: gamma in the bf16 block order (bf16 in and out on AVX512-BF16), else null.
+// FINITE: the row and gamma are finite, so no NaN can appear and the roundings skip their NaN checks.
+template <class X, class O, bool FINITE>
 double norm_row(const typename X::T* x, const float* g, typename O::T* y, int64_t D, float r, bool hf,
                 const typename X::T* next, const float* gq) {
   double total = 0.0;
@@ -338,32 +379,29 @@ double norm_row(const typename X::T* x, const float* g, typename O::T* y, int64_
   }
 #endif
   const V vr = vset(r);
-  auto step = [&](int64_t j) {
-    if (hf)
-      vstore<O>(y + j, vmul(vgamma(g + j), vround<X>(vmul(vload<X>(x + j), vr))));
-    else
-      vstore<O>(y + j, vmul(vmul(vload<X>(x + j), vr), vgamma(g + j)));
+  auto out = [&](int64_t j) {
+    return hf ? vmul(vgamma(g + j), vround_t<X, FINITE>(vmul(vload<X>(x + j), vr)))
+              : vmul(vmul(vload<X>(x + j), vr), vgamma(g + j));
   };
   while (i + W <= D) {
     const int64_t end = std::min(D - D % W, i + BLOCK);
     V a0 = vset(0.f), a1 = vset(0.f);
-    if (next) {
-      for (; i + 2 * W <= end; i += 2 * W) {
-        step(i);
-        step(i + W);
+    for (; i + 2 * W <= end; i += 2 * W) {
+      vstore2_t<O, FINITE>(y + i, out(i), out(i + W));
+      if (next) {
         V n0 = vload<X>(next + i), n1 = vload<X>(next + i + W);
         a0 = vfma(n0, n0, a0);
         a1 = vfma(n1, n1, a1);
       }
-      for (; i + W <= end; i += W) {
-        step(i);
+    }
+    for (; i + W <= end; i += W) {
+      vstore<O>(y + i, out(i));
+      if (next) {
         V n0 = vload<X>(next + i);
         a0 = vfma(n0, n0, a0);
       }
-      acc.add(vadd(a0, a1));
-    } else {
-      for (; i + W <= end; i += W) step(i);
     }
+    if (next) acc.add(vadd(a0, a1));
   }
   total = acc.sum();
 #endif
@@ -414,6 +452,7 @@ void norm_rows(const at::Tensor& x, const at::Tensor* x2, at::Tensor* xo, const 
   auto yp = reinterpret_cast<typename O::T*>(y.data_ptr());
   const float feps = (float)eps;
   const bool hf = mode != FP32;  // "none" writes like hf, with r and gamma already in T
+  const bool g_finite = std::all_of(g, g + D, [](float v) { return std::isfinite(v); });
   at::parallel_for(0, R, grain_for(D), [&](int64_t begin, int64_t end) {
     double squares = 0.0;  // of the current row, summed while the previous row was written
     for (int64_t row = begin; row < end; ++row) {
@@ -427,7 +466,10 @@ void norm_rows(const at::Tensor& x, const at::Tensor* x2, at::Tensor* xo, const 
       const float r = mode == NONE ? no_cast_rsqrt<X>(xr, D, feps)
                                    : 1.0f / std::sqrt((float)(squares / (double)D) + feps);
       const T* next = (!x2p && mode != NONE && row + 1 < end) ? xp + (row + 1) * D : nullptr;
-      squares = norm_row<X, O>(xr, g, yp + row * D, D, r, hf, next, gq);
+      if (g_finite && std::isfinite(squares) && std::isfinite(r) && r > 0.f)  // no NaN can appear in this row
+        squares = norm_row<X, O, true>(xr, g, yp + row * D, D, r, hf, next, gq);
+      else
+        squares = norm_row<X, O, false>(xr, g, yp + row * D, D, r, hf, next, gq);
     }
   });
 }
