@@ -234,8 +234,9 @@ def cmd_bench_e2e(args) -> int:
     for name in ("num_layers", "vision_depth", "repeats", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; expected >= 1")
+    json_path, png_path = _bench_outputs(args, "e2e")
     return e2e_bench.run(args.num_layers, args.vision_depth, args.repeats, args.max_new_tokens, args.image,
-                         args.quick, args.json, args.png)
+                         args.quick, json_path, png_path, args.dtype)
 
 
 def cmd_bench_cases(args) -> int:
@@ -252,7 +253,8 @@ def cmd_bench_cases(args) -> int:
 def cmd_bench_pypto(args) -> int:
     from .bench import cases_bench
 
-    return cases_bench.run_pypto(args.file, args.json, args.png)
+    json_path, png_path = _bench_outputs(args, "pypto")
+    return cases_bench.run_pypto(args.file, json_path, png_path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -310,9 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median reported)")
     b.add_argument("--max-new-tokens", type=int, default=16)
     b.add_argument("--image", help="default: the document page in modeling/gutenocr_3b/")
-    b.add_argument("--quick", action="store_true", help="2 layers, 2 blocks, 2 rounds, 8 tokens (< 3 min)")
-    b.add_argument("--json", default="docs/results/e2e.json")
-    b.add_argument("--png", default="docs/results/e2e.png")
+    b.add_argument("--quick", action="store_true", help="2 layers, 2 blocks, 2 rounds, 8 tokens")
+    b.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                   help="model dtype (default: bfloat16 on a CPU with AVX512-BF16 or AMX, else float32)")
+    b.add_argument("--json", help=f"default: {BENCH_OUT}/e2e.json")
+    b.add_argument("--png", help=f"default: {BENCH_OUT}/e2e.png")
     b.set_defaults(func=cmd_bench_e2e)
     b = bench_sub.add_parser("cases", help="every captured case timed per backend (+ pypto's NPU estimate)")
     b.add_argument("file")
@@ -322,8 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench_cases)
     b = bench_sub.add_parser("pypto", help="PyPTO's estimated 910B time per case vs the HBM bound")
     b.add_argument("file")
-    b.add_argument("--json", default="docs/results/pypto.json")
-    b.add_argument("--png", default="docs/results/pypto.png")
+    b.add_argument("--json", help=f"default: {BENCH_OUT}/pypto.json")
+    b.add_argument("--png", help=f"default: {BENCH_OUT}/pypto.png")
     b.set_defaults(func=cmd_bench_pypto)
     return ap
 

@@ -16,8 +16,10 @@ def test_bench_ops_quick_writes_json_and_plot(tmp_path, capsys):
     assert (tmp_path / "o.png").stat().st_size > 0
     assert {r["phase"] for r in data["rows"]} == {"decode", "prefill", "vision"}
     assert all(g.startswith(("PASS", "FAIL")) for g in data["goals"]) and data["goals"]
-    assert "wrapper_off" in data["wrapper_us"]
-    assert "cpu vs ref" in capsys.readouterr().out
+    assert {"bare_cpu_op", "patched_cpu", "hf_eager", "overhead_ratio", "speedup_vs_hf"} <= set(data["wrapper_us"])
+    out = capsys.readouterr().out
+    assert "vs compile" in out and data["machine"] in out.splitlines()[0]  # every figure says what it ran on
+    assert any("torch.compile" in g for g in data["goals"]) and any("clone()" in g for g in data["goals"])
 
 
 def test_bench_cases_times_every_case(tmp_path):
@@ -31,17 +33,18 @@ def test_bench_cases_times_every_case(tmp_path):
 
 def test_bench_e2e_runs_every_variant(tmp_path):
     rc = main(["bench", "e2e", "--num-layers", "1", "--vision-depth", "1", "--repeats", "1", "--max-new-tokens", "2",
-               "--image", str(SAMPLE_IMAGE), "--json", str(tmp_path / "e.json"), "--png", str(tmp_path / "e.png")])
+               "--image", str(SAMPLE_IMAGE), "--json", str(tmp_path / "e.json"), "--png", str(tmp_path / "e.png"),
+               "--dtype", "float32"])
     data = json.loads((tmp_path / "e.json").read_text())
     assert rc in (0, 1)
     assert set(data["medians"]) == {"unpatched", "patched torch", "patched cpu", "patched cpu, no fusion"}
     for m in data["medians"].values():
         assert m["prefill_s"] > 0 and m["vision_s"] > 0 and m["new_tokens"] == 2
-    assert len(data["goals"]) == 2
+    assert len(data["goals"]) == 2 and data["dtype"] == "float32"
 
 
 def test_bench_refuses_bad_arguments(capsys):
     assert main(["bench", "ops", "--dtypes", "int8"]) == 2
-    assert "--dtypes: got ['int8']" in capsys.readouterr().err
+    assert "--dtypes: got 'int8'" in capsys.readouterr().err
     assert main(["bench", "e2e", "--repeats", "0"]) == 2
     assert "--repeats: got 0; expected >= 1" in capsys.readouterr().err

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
+from .. import config, hardware
 from ..models.qwen2_5_vl import DOCUMENT_IMAGE, GUTENOCR_CONFIG, TINY_DIR, Processor, build_random_model
-from ..patching import patch_model, set_enabled, unpatch_model
-from .timing import goal_line, save_plot, write_json
+from ..patching import patch_model, unpatch_model
+from .timing import goal_line, header, save_plot, write_json
 
 VARIANTS = {
     "unpatched": None,
@@ -66,18 +67,20 @@ class _VisionClock:
 
 
 def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quick=False, json_path=None,
-        png_path=None) -> int:
-    from ..inference import generate, open_image
+        png_path=None, dtype=None) -> int:
+    from ..inference import default_dtype, generate, open_image
 
     if quick:
         num_layers, vision_depth, repeats, new_tokens = 2, 2, 2, 8
-    set_enabled(True)
+    dtype = dtype or default_dtype("cpu")
+    config.set_enabled(True)
+    print(header("bench e2e"))
     img = open_image(image or DOCUMENT_IMAGE)
     processor = Processor(TINY_DIR)
     t0 = time.perf_counter()
-    model = build_random_model(GUTENOCR_CONFIG, num_layers, vision_depth, "bfloat16", token_ids=processor.token_ids())
+    model = build_random_model(GUTENOCR_CONFIG, num_layers, vision_depth, dtype, token_ids=processor.token_ids())
     load_s = time.perf_counter() - t0
-    print(f"GutenOCR-3B dims, {num_layers} text layers, {vision_depth} vision blocks, bf16, random weights: "
+    print(f"GutenOCR-3B dims, {num_layers} text layers, {vision_depth} vision blocks, {dtype}, random weights: "
           f"built in {load_s:.1f} s; image {img.size[0]}x{img.size[1]}; {new_tokens} new tokens; "
           f"{repeats} interleaved rounds; {torch.get_num_threads()} threads", flush=True)
     prompt = "Read the text in the image."
@@ -102,9 +105,9 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
                   f"decode {tps:6.2f} tok/s", flush=True)
     med = {name: {k: statistics.median(s[k] for s in v) for k in v[0]} for name, v in samples.items()}
     base = med["unpatched"]
-    header = (f"{'variant':<24} {'patch ms':>9} {'vision ms':>10} {'prefill ms':>11} {'vs unpatched':>13} "
-              f"{'decode tok/s':>13} {'vs unpatched':>13} {'peak RSS MB':>12}")
-    print("\n" + header + "\n" + "-" * len(header))
+    columns = (f"{'variant':<24} {'patch ms':>9} {'vision ms':>10} {'prefill ms':>11} {'vs unpatched':>13} "
+               f"{'decode tok/s':>13} {'vs unpatched':>13} {'peak RSS MB':>12}")
+    print("\n" + columns + "\n" + "-" * len(columns))
     for name, m in med.items():
         m["prefill_speedup"] = base["prefill_s"] / m["prefill_s"]
         m["decode_speedup"] = m["decode_tokens_per_s"] / base["decode_tokens_per_s"]
@@ -117,7 +120,8 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
              goal_line(cpu["decode_speedup"] >= 1.0, f"patched cpu decode {cpu['decode_speedup']:.3f}x unpatched "
                                                      f"(goal: no slower)")]
     print("\n" + "\n".join(goals))
-    result = {"bench": "e2e", "model": "gutenocr_3b dims", "num_layers": num_layers, "vision_depth": vision_depth,
+    result = {"bench": "e2e", "model": "gutenocr_3b dims", "dtype": dtype, "num_layers": num_layers,
+              "vision_depth": vision_depth, "machine": hardware.capability(),
               "image": list(img.size), "new_tokens": new_tokens, "repeats": repeats, "load_s": load_s,
               "threads": torch.get_num_threads(), "medians": med, "samples": samples, "goals": goals}
     if json_path:
@@ -139,5 +143,5 @@ def _plot(plt, med):
     axes[1].set_ylabel("decode tokens/s (median)")
     for ax in axes:
         ax.tick_params(axis="x", rotation=25)
-    fig.suptitle("GutenOCR-3B dims (reduced depth), bf16, CPU")
+    fig.suptitle(f"GutenOCR-3B dims (reduced depth), CPU: {hardware.cpu_model()}")
     return fig

@@ -46,7 +46,8 @@ class PatchReport:
                  f"fallbacks={sum(s['fallbacks'].values())}"]
         for device, reason in s["backend_unavailable"].items():
             lines.append(f"backend unavailable on {device}: {reason}")
-        header = (f"{'path':<52} {'kind':<30} {'status':<8} {'D':>5} {'dtype':<9} {'backend':<10} {'fused':<5} "
+        w = max([len(r["path"]) for r in d["sites"]] + [20])
+        header = (f"{'path':<{w}} {'kind':<29} {'status':<8} {'D':>5} {'dtype':<9} {'backend':<10} {'fused':<5} "
                   f"{'calls':>6}  fallbacks / reason")
         lines += [header, "-" * len(header)]
         for r in d["sites"]:
@@ -55,7 +56,7 @@ class PatchReport:
                 notes.append(f"fusion bypassed x{n} ({why})")
             if len(r["paths"]) > 1:
                 notes.append("also at " + ", ".join(r["paths"][1:]))
-            lines.append(f"{r['path']:<52} {r['kind']:<30} {r['status']:<8} {r['D']:>5} {r['dtype']:<9} "
+            lines.append(f"{r['path']:<{w}} {r['kind']:<29} {r['status']:<8} {r['D']:>5} {r['dtype']:<9} "
                          f"{r['backend'] or '':<10} {'yes' if r.get('fused_residual') else '':<5} "
                          f"{r.get('calls', 0):>6}  {'; '.join(notes)}")
         for r in d["fusion_skipped"]:
