@@ -96,8 +96,10 @@ def wrapper_overhead_us(rounds: int) -> dict:
 
 
 def _compiled(module):
-    fn = torch.compile(module.forward, dynamic=False)
-    return fn
+    """torch.compile of HF's module, specialised to the shape it will see (dynamo's caches reset first:
+    every shape compiles the same forward, and past 8 recompiles dynamo would silently run eager)."""
+    torch._dynamo.reset()
+    return torch.compile(module.forward, dynamic=False)
 
 
 def run(dtypes=("bfloat16",), quick=False, rounds=15, json_path=None, png_path=None, pin=True, isas=None) -> int:

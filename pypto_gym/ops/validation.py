@@ -11,13 +11,22 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CAST_MODES = ("hf", "fp32", "none")
 DST_TYPES = ("int8", "int4")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.is_cpu and b.is_cpu) or a.device == b.device  # two CPU tensors: no device objects built
+
+
 def _check_x(name: str, x) -> int:
+    if type(x) in _PLAIN and x.dtype in FLOAT_DTYPES and x.dim():  # the common case, cheaply
+        D = x.shape[-1]
+        if D:
+            return D
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -33,8 +42,8 @@ def _check_vector(name: str, t, D: int, x: torch.Tensor, same_dtype: bool) -> No
     """A per-channel parameter: shape [D] (singleton dims allowed, e.g. (1, D, 1, 1)), on x's device."""
     if t is None:
         return
-    if type(t) is torch.Tensor and t.dim() == 1 and t.shape[0] == D and t.device == x.device and (
-            t.dtype == x.dtype or (not same_dtype and t.dtype in FLOAT_DTYPES)):
+    if type(t) in _PLAIN and t.dim() == 1 and t.shape[0] == D and _same_device(t, x) and (
+            t.dtype is x.dtype or (not same_dtype and t.dtype in FLOAT_DTYPES)):
         return  # the common case, checked cheaply: this runs on every norm call of a model
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
@@ -70,7 +79,7 @@ def _check_choice(name: str, value, choices) -> None:
 
 def _check_pair(x1: torch.Tensor, x2) -> None:
     """x2 like x1 (already checked): same shape, dtype and device."""
-    if type(x2) is torch.Tensor and x2.shape == x1.shape and x2.dtype == x1.dtype and x2.device == x1.device:
+    if type(x2) in _PLAIN and x2.dtype is x1.dtype and x2.shape == x1.shape and _same_device(x2, x1):
         return
     _check_x("x2", x2)
     if x2.shape != x1.shape:
@@ -81,7 +90,20 @@ def _check_pair(x1: torch.Tensor, x2) -> None:
         raise ValueError(f"x2: on device {x2.device}, expected x1's device {x1.device}")
 
 
+def _plain_norm_call(x, gamma, eps, cast_mode) -> bool:
+    """The common, valid call in one expression (no helper calls: this runs on every norm call of a
+    model). False sends the call through the full checks below, which name what is wrong."""
+    if not (type(x) in _PLAIN and x.dtype in FLOAT_DTYPES and x.dim() > 0):
+        return False
+    D = x.shape[-1]  # a torch.Size is built per `.shape`: once
+    return (D > 0 and (gamma is None or (type(gamma) in _PLAIN and gamma.dim() == 1 and gamma.numel() == D
+                                         and gamma.dtype in FLOAT_DTYPES and _same_device(gamma, x)))
+            and type(eps) is float and 0 <= eps < math.inf and cast_mode in CAST_MODES)
+
+
 def check_rms_norm(x, gamma, eps, cast_mode) -> None:
+    if _plain_norm_call(x, gamma, eps, cast_mode):
+        return
     D = _check_x("x", x)
     _check_vector("gamma", gamma, D, x, same_dtype=False)
     _check_eps(eps, strictly_positive=False)
@@ -89,6 +111,9 @@ def check_rms_norm(x, gamma, eps, cast_mode) -> None:
 
 
 def check_add_rms_norm(x1, x2, gamma, eps, cast_mode) -> None:
+    if (_plain_norm_call(x1, gamma, eps, cast_mode) and type(x2) in _PLAIN and x2.dtype is x1.dtype
+            and x2.shape == x1.shape and _same_device(x2, x1)):
+        return
     D = _check_x("x1", x1)
     _check_pair(x1, x2)
     _check_vector("gamma", gamma, D, x1, same_dtype=False)

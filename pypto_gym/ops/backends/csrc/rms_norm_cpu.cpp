@@ -241,6 +241,8 @@ double sum_squares(const typename X::T* x, int64_t D) {  // the first row of a c
 }
 
 #ifdef PG_SIMD
+// Store T(a), T(b) at p, p + W and replace a, b by those rounded values (what a reader of p sees).
+// FINITE: no NaN among a, b, so the integer bf16 rounding skips its NaN blend (and AVX2 packs the pair once).
 template <class X> inline V vstore_rounded(typename X::T* p, V v);  // store T(v); return T(v) as floats
 template <> inline V vstore_rounded<F32>(float* p, V v) { vstore<F32>(p, v); return v; }
 template <> inline V vstore_rounded<F16>(uint16_t* p, V v) { V r = vround<F16>(v); vstore<F16>(p, r); return r; }
@@ -257,25 +259,52 @@ template <> inline V vstore_rounded<BF16>(uint16_t* p, V v) {
   return widen8(h);
 }
 #endif
+template <class X, bool FINITE>
+inline void vstore2_rounded(typename X::T* p, V& a, V& b) {
+  a = vstore_rounded<X>(p, a);
+  b = vstore_rounded<X>(p + W, b);
+}
+#if !defined(__AVX512BF16__)
+template <>
+inline void vstore2_rounded<BF16, true>(uint16_t* p, V& a, V& b) {
+  vstore2_t<BF16, true>(p, a, b);
+  a = vround_t<BF16, true>(a);
+  b = vround_t<BF16, true>(b);
+}
+#endif
+#ifdef PG_SIMD512
+inline bool any_nan(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) != 0; }
+#else
+inline bool any_nan(V a, V b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q)) != 0; }
+#endif
 #endif
 
-// o = T(a + b), rounded exactly as torch.add; returns the sum of squares of o (what the norm reads)
-template <class X>
-double add_row(const typename X::T* a, const typename X::T* b, typename X::T* o, int64_t D) {
+// o = T(a + b), rounded exactly as torch.add; returns the sum of squares of o (what the norm reads).
+// FINITE: assumes no NaN appears (fast roundings) and reports through *nan if one did.
+template <class X, bool FINITE>
+double add_row_t(const typename X::T* a, const typename X::T* b, typename X::T* o, int64_t D, bool* nan) {
   double total = 0.0;
   int64_t i = 0;
 #ifdef PG_SIMD
   DAcc acc;
-  while (i + W <= D) {
-    const int64_t end = std::min(D - D % W, i + BLOCK);
-    V s = vset(0.f);
-    for (; i + W <= end; i += W) {
-      V v = vstore_rounded<X>(o + i, vadd(vload<X>(a + i), vload<X>(b + i)));
-      s = vfma(v, v, s);
+  bool saw_nan = false;
+  while (i + 2 * W <= D) {
+    const int64_t end = std::min(D - D % (2 * W), i + BLOCK);
+    V s0 = vset(0.f), s1 = vset(0.f);
+    for (; i + 2 * W <= end; i += 2 * W) {
+      V v0 = vadd(vload<X>(a + i), vload<X>(b + i)), v1 = vadd(vload<X>(a + i + W), vload<X>(b + i + W));
+      if (FINITE) saw_nan |= any_nan(v0, v1);
+      vstore2_rounded<X, FINITE>(o + i, v0, v1);
+      s0 = vfma(v0, v0, s0);
+      s1 = vfma(v1, v1, s1);
     }
-    acc.add(s);
+    acc.add(vadd(s0, s1));
   }
   total = acc.sum();
+  if (FINITE && saw_nan) {
+    *nan = true;
+    return 0.0;
+  }
 #endif
   for (; i < D; ++i) {
     o[i] = X::store(X::load(a[i]) + X::load(b[i]));
@@ -283,6 +312,13 @@ double add_row(const typename X::T* a, const typename X::T* b, typename X::T* o,
     total += v * v;
   }
   return total;
+}
+
+template <class X>
+double add_row(const typename X::T* a, const typename X::T* b, typename X::T* o, int64_t D) {
+  bool nan = false;
+  const double total = add_row_t<X, true>(a, b, o, D, &nan);
+  return nan ? add_row_t<X, false>(a, b, o, D, nullptr) : total;  // a NaN row: again, NaN-safe
 }
 
 #if defined(__AVX512BF16__) && defined(PG_SIMD512)
