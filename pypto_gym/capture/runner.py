@@ -37,7 +37,7 @@ def run_case(case: dict, backend: str, repeat: int = 3) -> dict:
     with torch.inference_mode(), config.scoped(strict=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a defect is reported in the row, with its reason
         actual = fn(*args, **kwargs, backend=backend, stats=stats)
-        est_us = getattr(registry.BACKENDS.get(stats.backend), "last_estimated_us", None)
+        last = getattr(registry.BACKENDS.get(stats.backend), "last_run", None)  # PyPTO: SIM estimate and level
         golden = getattr(reference, op)(*args, **kwargs)
         timed = ops.Stats()
         us = _median_call_us(lambda: fn(*args, **kwargs, backend=backend, stats=timed), repeat) if repeat \
@@ -57,7 +57,9 @@ def run_case(case: dict, backend: str, repeat: int = 3) -> dict:
     return {"id": case["id"], "op": op, "description": case["description"], "backend": stats.backend,
             "requested": backend, "fallbacks": dict(stats.fallbacks), "max_abs": max(c.max_abs for c in comps),
             "cosine": min(c.cosine for c in comps), "mere": max(c.mere for c in comps),
-            "mare": max(c.mare for c in comps), "us_per_call": us, "est_npu_us": est_us, "result": result,
+            "mare": max(c.mare for c in comps), "us_per_call": us,
+            "est_npu_us": last.estimated_us if last else None, "level": last.level if last else None,
+            "tiles": last.tiles if last else None, "result": result,
             "passed": result == "PASS", "reason": not_run or "; ".join(problems)}
 
 
@@ -80,13 +82,14 @@ def summary(rows: list[dict]) -> str:
 def format_table(rows: list[dict]) -> str:
     est = any(r.get("est_npu_us") is not None for r in rows)
     header = (f"{'id':<22} {'description':<58} {'ran on':<7} {'max abs':>9} {'cosine':>9} {'MERE':>9} "
-              f"{'MARE':>9} {'us/call':>9}" + (f" {'est. NPU us':>11}" if est else "") + "  result")
+              f"{'MARE':>9} {'us/call':>9}" + (f" {'est. NPU us':>11} {'level':<8}" if est else "") + "  result")
     lines = [header, "-" * len(header)]
     for r in rows:
         result = r["result"] + (f" {r['reason']}" if r["reason"] else "")
         est_cell = ""
         if est:
-            est_cell = f" {r['est_npu_us']:>11.2f}" if r.get("est_npu_us") is not None else f" {'':>11}"
+            est_cell = (f" {r['est_npu_us']:>11.2f} {r['level']:<8}" if r.get("est_npu_us") is not None
+                        else f" {'':>11} {'':<8}")
         lines.append(f"{r['id']:<22} {r['description'][:58]:<58} {r['backend'] or '':<7} {r['max_abs']:>9.3g} "
                      f"{r['cosine']:>9.6f} {r['mere']:>9.2e} {r['mare']:>9.2e} {r['us_per_call']:>9.1f}"
                      f"{est_cell}  {result}")
