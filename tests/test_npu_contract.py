@@ -1,7 +1,8 @@
 """The `npu` backend's mapping onto torch_npu, checked against the documented-signature stand-in.
 
-Not run on hardware: these tests prove the adapter passes the right arguments and maps outputs
-and casts onto SPEC 2; they cannot prove torch_npu's numerics or speed.
+Not run on hardware: these tests prove the adapter passes the right arguments, respects the
+documented limits and maps outputs, layouts and casts onto SPEC 2; they cannot prove torch_npu's
+numerics or speed.
 """
 import sys
 from pathlib import Path
@@ -10,18 +11,20 @@ import pytest
 import torch
 
 from pypto_gym.ops import reference, registry
-from pypto_gym.ops.backends.npu import NpuBackend, limits_reason
+from pypto_gym.ops.backends.npu import NpuBackend, chip_series, limits_reason
 from pypto_gym.precision import compare_outputs
 
 sys.path.insert(0, str(Path(__file__).parent / "contract"))
 import torch_npu_standin  # noqa: E402
 
+QUANT = ("y1", "y2", "x_out", "scale1", "scale2")
+
 
 @pytest.fixture
-def npu():
-    backend = NpuBackend(module_name="torch_npu_standin")
+def npu(monkeypatch):
+    monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend910B2")
     torch_npu_standin.calls.clear()
-    return backend
+    return NpuBackend(module_name="torch_npu_standin")
 
 
 def assert_close(actual, golden, names):
@@ -35,13 +38,15 @@ def assert_close(actual, golden, names):
 def test_norms_map_onto_torch_npu(npu, dtype, cast_mode, shape):
     torch.manual_seed(0)
     x1, x2 = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
-    gammas = (torch.randn(64).to(dtype), torch.randn(64), None) if cast_mode == "hf" else \
-        (torch.randn(64).to(dtype), None)
+    gammas = [torch.randn(64).to(dtype), None]
+    if cast_mode == "hf" or dtype != torch.float32:
+        gammas.append(torch.randn(64))  # fp32 gamma: HF promotion (hf), or a documented npu_rms_norm pair (fp32)
     for g in gammas:
         y = npu.rms_norm(x1, g, 1e-6, cast_mode)
         assert_close(y, reference.rms_norm(x1, g, 1e-6, cast_mode), ("y",))
-        out = npu.add_rms_norm(x1, x2, g, 1e-6, cast_mode)
-        assert_close(out, reference.add_rms_norm(x1, x2, g, 1e-6, cast_mode), ("y", "x_out"))
+        if g is None or g.dtype == dtype or cast_mode == "hf":
+            out = npu.add_rms_norm(x1, x2, g, 1e-6, cast_mode)
+            assert_close(out, reference.add_rms_norm(x1, x2, g, 1e-6, cast_mode), ("y", "x_out"))
     assert torch_npu_standin.calls[:2] == ["npu_rms_norm", "npu_add_rms_norm"]
 
 
@@ -51,43 +56,81 @@ def test_hf_mode_on_torch_npu_is_bit_identical_to_hf(npu):
     assert torch.equal(npu.rms_norm(x, g, 1e-6, "hf"), reference.rms_norm(x, g, 1e-6, "hf"))
 
 
+@pytest.mark.parametrize("dst_type", ["int8", "int4"])
 @pytest.mark.parametrize("smooth", ["none", "one", "two"])
 @pytest.mark.parametrize("with_beta", [False, True])
-def test_quant_ops_map_onto_fused_op(npu, smooth, with_beta):
+def test_quant_ops_map_onto_the_fused_op(npu, dst_type, smooth, with_beta):
     D = 128
     x1, x2 = torch.randn(2, 5, D, dtype=torch.bfloat16), torch.randn(2, 5, D, dtype=torch.bfloat16)
     g = torch.randn(D, dtype=torch.bfloat16)
     s1 = (torch.rand(D) + 0.5).to(torch.bfloat16) if smooth != "none" else None
     s2 = (torch.rand(D) + 0.5).to(torch.bfloat16) if smooth == "two" else None
     beta = (0.1 * torch.randn(D)).to(torch.bfloat16) if with_beta else None
-    out = npu.add_rms_norm_dynamic_quant(x1, x2, g, s1, s2, beta, 1e-6, "int8")
-    assert (out[1] is None) == (s2 is None)
-    assert_close(out, reference.add_rms_norm_dynamic_quant(x1, x2, g, s1, s2, beta, 1e-6, "int8"),
-                 ("y1", "y2", "x_out", "scale1", "scale2"))
-    assert_close(npu.rms_norm_dynamic_quant(x1, g, s1, beta, 1e-6, "int8"),
-                 reference.rms_norm_dynamic_quant(x1, g, s1, beta, 1e-6, "int8"), ("y", "scale"))
+    out = npu.add_rms_norm_dynamic_quant(x1, x2, g, s1, s2, beta, 1e-6, dst_type)
+    assert (out[1] is None) == (s2 is None) and out[0].dtype == torch.int8 and out[0].shape == x1.shape
+    assert_close(out, reference.add_rms_norm_dynamic_quant(x1, x2, g, s1, s2, beta, 1e-6, dst_type), QUANT)
+    assert_close(npu.rms_norm_dynamic_quant(x1, g, s1, beta, 1e-6, dst_type),
+                 reference.rms_norm_dynamic_quant(x1, g, s1, beta, 1e-6, dst_type), ("y", "scale"))
 
 
-@pytest.mark.parametrize("op,shape,dtype,dst,reason", [
-    ("rms_norm", (2, 16384), torch.float32, None, None),
-    ("rms_norm_dynamic_quant", (2, 16384), torch.bfloat16, "int8", "D=16384 > 8192"),
-    ("add_rms_norm_dynamic_quant", (2, 64), torch.float32, "int8",
+def test_int4_packing_round_trips_and_puts_code_j_in_bits_4j():
+    q = torch.randint(-8, 8, (3, 16), dtype=torch.int8)
+    packed = reference.pack_int4_to_int32(q)
+    assert packed.dtype == torch.int32 and packed.shape == (3, 2)
+    assert torch.equal(reference.unpack_int4_from_int32(packed), q)
+    one = torch.zeros(1, 8, dtype=torch.int8)
+    one[0, 1] = 3
+    one[0, 7] = -1
+    assert int(reference.pack_int4_to_int32(one)) == (3 << 4) | (0xF << 28) - 2 ** 32
+
+
+@pytest.mark.parametrize("op,shape,dtype,kwargs,reason", [
+    ("quant", (2, 16384), torch.bfloat16, {"dst_type": "int8"}, None),  # no D limit is documented
+    ("quant", (2, 64), torch.float32, {"dst_type": "int8"},
      "dtype float32 not supported by npu_add_rms_norm_dynamic_quant"),
-    ("rms_norm_dynamic_quant", (2, 64), torch.float16, "int4",
-     "dst_type int4 not supported by npu_add_rms_norm_dynamic_quant"),
-    ("rms_norm", (1,) * 8 + (64,), torch.float16, None, "rank 9 > 8"),
+    ("quant", (2, 60), torch.float16, {"dst_type": "int4"}, "int4 needs D divisible by 8, got D=60"),
+    ("quant", (0, 64), torch.float16, {"dst_type": "int8"}, "empty tensors are not supported"),
+    ("add_rms_norm", (0, 64), torch.float16, {}, "npu_add_rms_norm: empty tensors are not supported"),
+    ("rms_norm", (0, 64), torch.float16, {}, None),  # npu_rms_norm documents empty tensors as supported
+    ("rms_norm", (1,) * 8 + (64,), torch.float16, {}, "rank 9 > 8"),
+    ("rms_norm", (2, 64), torch.bfloat16, {"gamma_dtype": torch.float32, "cast_mode": "fp32"}, None),
+    ("rms_norm", (2, 64), torch.bfloat16, {"gamma_dtype": torch.float16, "cast_mode": "fp32"},
+     "x bfloat16 with gamma float16 is not a documented pair"),
+    ("add_rms_norm", (2, 64), torch.bfloat16, {"gamma_dtype": torch.float32, "cast_mode": "fp32"},
+     "npu_add_rms_norm: gamma dtype float32 must equal x's bfloat16"),
+    ("rms_norm", (2, 64), torch.float16, {"cast_mode": "none"}, "cast_mode none"),
+    ("add_rms_norm", (2, 64), torch.bfloat16, {"series": "inference"},
+     "npu_add_rms_norm: bfloat16 not supported on Atlas inference series chips"),
+    ("rms_norm", (2, 64), torch.bfloat16, {"series": "inference"}, "not a documented pair on inference chips"),
+    ("quant", (2, 64), torch.float16, {"series": "inference", "dst_type": "int8"}, "Atlas A2/A3 chips only"),
 ])
-def test_capability_limits(op, shape, dtype, dst, reason):
-    assert limits_reason(op, shape, dtype, dst) == reason
+def test_documented_limits(op, shape, dtype, kwargs, reason):
+    got = limits_reason(op, shape, dtype, **kwargs)
+    assert (got is None) if reason is None else (reason in got), got
 
 
-def test_fp32_mode_with_a_wider_gamma_is_refused_not_rounded():
-    assert limits_reason("rms_norm", (2, 64), torch.bfloat16, None, torch.float32, "fp32") == \
-        "cast_mode fp32 with gamma dtype float32 != x dtype bfloat16"
-    assert limits_reason("rms_norm", (2, 64), torch.bfloat16, None, torch.float32, "hf") is None
+@pytest.mark.parametrize("name,series", [("Ascend910B2", "a2_a3"), ("Ascend910_9391", "a2_a3"),
+                                         ("Ascend310P3", "inference"), ("Ascend910A", "training")])
+def test_chip_series(name, series):
+    assert chip_series(name) == series
+
+
+def test_a_chip_without_bf16_is_read_from_the_device(npu, monkeypatch):
+    monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend310P3")
+    fresh = NpuBackend(module_name="torch_npu_standin")
+    assert fresh.series(0) == "inference"
+
+
+def test_masked_second_branch_is_empty_not_zeros(npu):
+    x = torch.randn(2, 16, dtype=torch.float16)
+    out = torch_npu_standin.npu_add_rms_norm_dynamic_quant(x, x, torch.ones(16, dtype=torch.float16),
+                                                           output_mask=[True, False])
+    assert out[1].numel() == 0 and out[4].numel() == 0
+    with pytest.raises(RuntimeError, match="output_mask"):
+        torch_npu_standin.npu_add_rms_norm_dynamic_quant(x, x, torch.ones(16, dtype=torch.float16),
+                                                         output_mask=[False, False])
 
 
 def test_cpu_tensors_are_not_npu_calls():
-    stats_reason = registry.get("npu").supports("rms_norm", torch.randn(2, 8))
-    assert stats_reason == "device is cpu"
+    assert registry.get("npu").supports("rms_norm", (torch.randn(2, 8), None, 1e-6, "hf")) == "device is cpu"
     assert "torch_npu" not in sys.modules  # never imported on a machine without an NPU

@@ -128,3 +128,23 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     lo = torch.where(lo > 7, lo - 16, lo)
     hi = torch.where(hi > 7, hi - 16, hi)
     return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+def pack_int4_to_int32(q: torch.Tensor) -> torch.Tensor:
+    """torch_npu's int4 layout (`y_dtype=torch.quint4x2`): eight int4 codes per int32 along the last dim,
+    code j of each group of eight in bits 4j..4j+3 (the low nibble first, as in pack_int4)."""
+    if q.dtype != torch.int8 or q.shape[-1] % 8:
+        raise ValueError(f"pack_int4_to_int32: q must be int8 with a last dim divisible by 8, got {q.dtype} "
+                         f"{tuple(q.shape)}")
+    nibbles = (q.to(torch.int64) & 0xF).reshape(*q.shape[:-1], -1, 8)
+    word = (nibbles << (4 * torch.arange(8, device=q.device))).sum(-1)
+    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+
+
+def unpack_int4_from_int32(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4_to_int32: [..., D/8] int32 -> [..., D] int8 codes in [-8, 7]."""
+    if packed.dtype != torch.int32:
+        raise TypeError(f"unpack_int4_from_int32: packed must be torch.int32, got {packed.dtype}")
+    shifts = 4 * torch.arange(8, device=packed.device)
+    nibbles = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF
+    return torch.where(nibbles > 7, nibbles - 16, nibbles).to(torch.int8).flatten(-2)

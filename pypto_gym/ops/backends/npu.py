@@ -1,53 +1,86 @@
 """The `npu` backend: torch_npu's fused ops on Ascend NPUs, mapped onto SPEC 2's contract.
 
 torch_npu is imported lazily, on the first NPU call, so nothing here touches it on machines
-without CANN (importing it there breaks `import torch`). Mapping:
+without CANN (importing it there breaks `import torch`). Mapping (torch_npu's documented API):
 
-- rms_norm: `npu_rms_norm(x, gamma, epsilon) -> (y, rstd)` computes in fp32 and casts once,
+- rms_norm: `npu_rms_norm(self, gamma, epsilon) -> (y, rstd)` computes in fp32 and casts once,
   which is `cast_mode="fp32"`. For `hf` (cast before the weight, as HF does) it normalises with a
   unit gamma and multiplies by the real gamma in torch, which reproduces HF's dtype promotion.
 - add_rms_norm: `npu_add_rms_norm(x1, x2, gamma, epsilon) -> (y, rstd, x_out)`, same two modes.
 - add_rms_norm_dynamic_quant: `npu_add_rms_norm_dynamic_quant(x1, x2, gamma, *, smooth_scale1,
-  smooth_scale2, beta, epsilon, output_mask) -> (y1, y2, x_out, scale1, scale2)`; y2/scale2 are
-  dropped when there is no smooth_scale2 (the op leaves them meaningless).
+  smooth_scale2, beta, epsilon, output_mask, y_dtype) -> (y1, y2, x_out, scale1, scale2)`;
+  `output_mask=[True, two]` asks for the second branch only when there is a second smooth scale.
+  int4 is `y_dtype=torch.quint4x2`: eight int4 codes packed in each int32 (last dim D/8), which
+  `reference.unpack_int4_from_int32` turns into one code per int8 (SPEC 2.3's layout).
 - rms_norm_dynamic_quant: the same fused op with x2 = 0 (x + 0 == x exactly), which keeps SPEC
-  2.3's fp32 math; composing npu_rms_norm with npu_dynamic_quant would quantise a value already
-  rounded to x's dtype.
+  2.3's fp32 math.
 
-Limits checked before every call: rank 2..8 for the norms (a 1-D input is viewed as one row);
-in fp32 mode gamma in x's dtype (the kernel would otherwise see a rounded gamma); for the quant
-ops D <= 8192, float16/bfloat16, int8 only.
+Limits are torch_npu's documented ones, checked before the kernel is called (capabilities,
+counted as fallbacks): no empty tensors for the add ops and the quant op; 2-8 dims (a 1-D input
+is viewed as one row); x/gamma dtype pairs of npu_rms_norm per chip; fp16/bf16 only for the
+quant op, on A2/A3 chips only; no bf16 for npu_add_rms_norm on Atlas inference series chips.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
 
+from ..reference import unpack_int4_from_int32
 from ..registry import GAMMA_INDEX, Backend, register
 
-QUANT_MAX_D = 8192
-QUANT_DTYPES = (torch.float16, torch.bfloat16)
+_HALF = (torch.float16, torch.bfloat16)
+# npu_rms_norm's documented (x, gamma) dtype pairs
+RMS_NORM_PAIRS_A2_A3 = {(torch.float16, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
+                        (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)}
+RMS_NORM_PAIRS_OLDER = {(torch.float16, torch.float16), (torch.float32, torch.float32)}
 
 
-def limits_reason(op: str, shape: tuple, dtype: torch.dtype, dst_type: str | None = None,
-                  gamma_dtype: torch.dtype | None = None, cast_mode: str = "hf") -> str | None:
-    """Why torch_npu cannot take this call (None if it can); independent of the device."""
+def chip_series(device_name: str) -> str:
+    """'a2_a3' (Ascend 910B / 910_93), 'inference' (Atlas inference series: 310P) or 'training' (Ascend 910)."""
+    name = device_name.replace(" ", "")
+    if name.startswith("Ascend310P"):
+        return "inference"
+    if name.startswith("Ascend910B") or name.startswith("Ascend910_93") or name.startswith("Ascend950"):
+        return "a2_a3"
+    return "training" if name.startswith("Ascend910") else "a2_a3"
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def limits_reason(op: str, shape: tuple, dtype: torch.dtype, *, gamma_dtype=None, cast_mode: str = "hf",
+                  dst_type: str | None = None, series: str = "a2_a3") -> str | None:
+    """Why torch_npu cannot take this call (None if it can): its documented limits only."""
     if len(shape) > 8:
         return f"rank {len(shape)} > 8"
     if cast_mode == "none":
         return "cast_mode none: torch_npu's norm kernels always compute in fp32"
-    if cast_mode == "fp32" and gamma_dtype is not None and gamma_dtype != dtype:
-        return (f"cast_mode fp32 with gamma dtype {str(gamma_dtype).replace('torch.', '')} != "
-                f"x dtype {str(dtype).replace('torch.', '')}")
-    if op.endswith("quant"):
-        name = "npu_add_rms_norm_dynamic_quant"
-        if shape[-1] > QUANT_MAX_D:
-            return f"D={shape[-1]} > {QUANT_MAX_D}"
-        if dtype not in QUANT_DTYPES:
-            return f"dtype {str(dtype).replace('torch.', '')} not supported by {name}"
-        if dst_type != "int8":
-            return f"dst_type {dst_type} not supported by {name}"
+    empty = 0 in shape
+    if op == "rms_norm":
+        pairs = RMS_NORM_PAIRS_A2_A3 if series == "a2_a3" else RMS_NORM_PAIRS_OLDER
+        g = dtype if gamma_dtype is None or cast_mode == "hf" else gamma_dtype  # hf: a unit gamma in x's dtype
+        if (dtype, g) not in pairs:
+            return f"npu_rms_norm: x {_name(dtype)} with gamma {_name(g)} is not a documented pair on {series} chips"
+        return None
+    if empty:
+        return f"{'npu_add_rms_norm' if op == 'add_rms_norm' else 'npu_add_rms_norm_dynamic_quant'}: " \
+               f"empty tensors are not supported"
+    if op == "add_rms_norm":
+        if series == "inference" and dtype == torch.bfloat16:
+            return "npu_add_rms_norm: bfloat16 not supported on Atlas inference series chips"
+        if cast_mode == "fp32" and gamma_dtype is not None and gamma_dtype != dtype:
+            return f"npu_add_rms_norm: gamma dtype {_name(gamma_dtype)} must equal x's {_name(dtype)}"
+        return None
+    name = "npu_add_rms_norm_dynamic_quant"
+    if series != "a2_a3":
+        return f"{name}: supported on Atlas A2/A3 chips only"
+    if dtype not in _HALF:
+        return f"dtype {_name(dtype)} not supported by {name}"
+    if dst_type == "int4" and shape[-1] % 8:
+        return f"{name}: int4 needs D divisible by 8, got D={shape[-1]}"
     return None
 
 
@@ -64,12 +97,20 @@ class NpuBackend(Backend):
             self._module = importlib.import_module(self.module_name)
         return self._module
 
+    @functools.lru_cache(maxsize=16)
+    def series(self, device_index) -> str:
+        return chip_series(self.torch_npu().npu.get_device_name(device_index))
+
     def supports(self, op, args):
+        reason = super().supports(op, args)
+        if reason:
+            return reason
         x, gamma = args[0], args[GAMMA_INDEX[op]]
         quant = op.endswith("quant")
-        return super().supports(op, args) or limits_reason(
-            op, tuple(x.shape), x.dtype, args[-1] if quant else None, None if gamma is None else gamma.dtype,
-            "fp32" if quant else args[-1])
+        return limits_reason("quant" if quant else op, tuple(x.shape), x.dtype,
+                             gamma_dtype=None if gamma is None else gamma.dtype,
+                             cast_mode="fp32" if quant else args[-1], dst_type=args[-1] if quant else None,
+                             series=self.series(x.device.index))
 
     @staticmethod
     def _as_rows(x):
@@ -79,12 +120,10 @@ class NpuBackend(Backend):
     def _gamma(gamma, x, cast_mode):
         """(gamma for the kernel, gamma to apply afterwards in torch for hf mode)."""
         D = x.shape[-1]
-        if gamma is None:
-            return torch.ones(D, dtype=x.dtype, device=x.device), None
-        g = gamma.reshape(D)
-        if cast_mode == "fp32":  # same dtype as x: supports() refuses the other case
-            return g, None
-        return torch.ones(D, dtype=x.dtype, device=x.device), g
+        if cast_mode == "fp32" and gamma is not None:
+            return gamma.reshape(D), None  # a documented (x, gamma) pair: supports() checked it
+        unit = torch.ones(D, dtype=x.dtype, device=x.device)
+        return unit, (None if gamma is None else gamma.reshape(D))
 
     def rms_norm(self, x, gamma, eps, cast_mode):
         g, post = self._gamma(gamma, x, cast_mode)
@@ -109,7 +148,11 @@ class NpuBackend(Backend):
         two = smooth_scale2 is not None
         y1, y2, x_out, s1, s2 = self.torch_npu().npu_add_rms_norm_dynamic_quant(
             self._as_rows(x1), self._as_rows(x2), gamma.reshape(D), smooth_scale1=vec(smooth_scale1),
-            smooth_scale2=vec(smooth_scale2), beta=vec(beta), epsilon=eps, output_mask=[True, two])
+            smooth_scale2=vec(smooth_scale2), beta=vec(beta), epsilon=eps, output_mask=[True, two],
+            y_dtype=torch.quint4x2 if dst_type == "int4" else torch.int8)
+        if dst_type == "int4":  # eight codes per int32 -> one code per int8
+            y1 = unpack_int4_from_int32(y1)
+            y2 = unpack_int4_from_int32(y2) if two else y2
         rows = x1.shape[:-1]
         return (y1.reshape(x1.shape), y2.reshape(x1.shape) if two else None, x_out.reshape(x1.shape),
                 s1.reshape(rows), s2.reshape(rows) if two else None)

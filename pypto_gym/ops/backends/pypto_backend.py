@@ -14,7 +14,9 @@ kernels and of this backend. Adaptations of PyPTO 0.2.0 internals live in pypto_
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,22 +46,36 @@ class Tiles:
         return f"{self.rows}x{self.cols}" + (f" nbuffer {self.nbuffer}" if self.nbuffer else "")
 
 
+def bucket(R: int) -> str:
+    """The row classes tiles are tuned for."""
+    return "decode" if R <= 8 else "small" if R <= 128 else "medium" if R <= 1024 else "large"
+
+
+@functools.lru_cache(maxsize=1)
+def _tuned() -> dict:
+    path = Path(__file__).with_name("pypto_tiling.json")
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def tile_config(op: str, R: int, D: int) -> Tiles:
-    """The tile configuration for one call, by shape class (tuned on SIM's 910B2 cost model, see
-    `scripts/bench.py pypto --tune`). The reduce axis stays whole where one fp32 row fits the
-    unified buffer (reference 000's advice); wider rows are split and PyPTO reduces across tiles.
-    Tiles wider than D are padded by PyPTO, so D need not be a multiple of 8."""
+    """The tile configuration for one call. Columns: the reduce axis stays whole where one fp32 row
+    fits the unified buffer (reference 000's advice), padded by PyPTO to 32-byte rows, so D need
+    not be a multiple of 8; wider rows are split and PyPTO reduces across column tiles. Rows and
+    the merge count: from pypto_tiling.json for the shape classes tuned on SIM's 910B2 cost model
+    (`scripts/bench.py pypto FILE --tune`), else as many rows as fit, up to 8."""
     align = 32 if op.endswith("quant") else 16  # 32-byte rows for the narrowest dtype in the tile
     cols = -(-D // align) * align
     per_row = cols * 4 * LIVE_FP32_ROWS
     if per_row > UB_BYTES:  # split reduction: the fewest equal column tiles that fit
         parts = -(-per_row // UB_BYTES)
         return Tiles(1, -(-cols // parts // align) * align)
+    tuned = _tuned().get(f"{op}:{D}:{bucket(R)}")
+    if tuned:
+        return Tiles(tuned["rows"], cols, tuned["nbuffer"])
     rows = 1
     while rows * 2 * per_row <= UB_BYTES and rows < 8 and rows < R:
         rows *= 2
-    nbuffer = 8 if R >= 256 else 0
-    return Tiles(rows, cols, nbuffer)
+    return Tiles(rows, cols)
 
 
 @dataclass
