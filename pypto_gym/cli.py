@@ -43,6 +43,10 @@ def _add_patch_args(ap):
                                                   "(default: $PYPTO_GYM_SITES or all)")
     ap.add_argument("--no-fuse-residual", dest="fuse_residual", action="store_false", default=None,
                     help="patch norms only, no fused residual add (default: $PYPTO_GYM_FUSE_RESIDUAL or on)")
+    ap.add_argument("--quant", choices=["w8a8"], default=None,
+                    help="with --use_pto: int8 weights and activations for the linears after each norm")
+    ap.add_argument("--calibration", default=None,
+                    help="with --quant w8a8: smooth scales from `calibrate` (default: no smoothing)")
 
 
 def patch_options(args) -> dict | None:
@@ -56,7 +60,13 @@ def patch_options(args) -> dict | None:
     from .patching import discovery
 
     use = args.use_pto if args.use_pto is not None else config.env_bool("USE_PTO_RMS_NORM", False)
+    if args.calibration is not None and args.quant is None:
+        raise UserError("--calibration: given without --quant w8a8")
+    if args.calibration is not None and not Path(args.calibration).is_file():
+        raise UserError(f"--calibration: no file at {args.calibration}")
     if not use:
+        if args.quant is not None:
+            raise UserError("--quant: needs patching on (--use_pto or USE_PTO_RMS_NORM=1)")
         return None
     config.set_enabled(True)  # --use_pto beats USE_PTO_RMS_NORM=0
     if args.backend is None:
@@ -65,7 +75,8 @@ def patch_options(args) -> dict | None:
         backend = registry.check_name(args.backend.strip().lower(), "--backend")
     fuse = args.fuse_residual if args.fuse_residual is not None else config.env_bool("PYPTO_GYM_FUSE_RESIDUAL", True)
     sites = args.sites if args.sites is not None else os.environ.get("PYPTO_GYM_SITES")
-    return {"backend": backend, "sites": discovery.parse_sites(sites), "fuse_residual": fuse}
+    return {"backend": backend, "sites": discovery.parse_sites(sites), "fuse_residual": fuse, "quant": args.quant,
+            "calibration": args.calibration}
 
 
 def _patch(model, options, command: str):
@@ -171,6 +182,41 @@ def cmd_capture(args) -> int:
             generate(model, processor, [p for p, _, _ in batch], [im for _, im, _ in batch], args.max_new_tokens)
     info = rec.save(out, model_name=args.model_name, merge=not args.no_merge)
     print(f"{info['cases']} cases in {info['path']} ({info['added']} new)")
+    return 0
+
+
+CALIBRATION_PROMPTS = ["Read the text in the image.", "What is written in this document?",
+                       "Transcribe every line of the page.", "Describe the layout of this image."]
+
+
+def cmd_calibrate(args) -> int:
+    from . import files
+    from .capture import ShapeRecorder
+    from .inference import generate, open_image
+    from .models.qwen2_5_vl import DOCUMENT_IMAGE, SAMPLE_IMAGE
+    from .quant import calibration
+
+    if args.model and args.config:
+        raise UserError("--model and --config: give one (a checkpoint, or a config for random weights)")
+    if not 0.0 <= args.alpha <= 1.0:
+        raise UserError(f"--alpha: got {args.alpha}; expected a number in [0, 1]")
+    out = files.check_writable(args.out, "--out")
+    image_paths = args.image or [str(SAMPLE_IMAGE), str(DOCUMENT_IMAGE)]
+    images = [open_image(p) for p in image_paths]
+    prompts = args.prompt or CALIBRATION_PROMPTS
+    model, processor = _load_for_capture(args)
+    requests = [(p, im, path) for p in prompts for im, path in zip(images, image_paths)]
+    with ShapeRecorder(model, absmax=True) as rec:
+        for i, (prompt, image, path) in enumerate(requests, 1):
+            print(f"[{i}/{len(requests)}] generate {args.max_new_tokens} tokens: {Path(path).name} | {prompt}",
+                  flush=True)
+            generate(model, processor, [prompt], [image], args.max_new_tokens)
+    scales = calibration.smooth_scales(model, rec.absmax, args.alpha)
+    inputs = [f"{Path(path).name} | {prompt}" for prompt, _, path in requests]
+    calibration.save(out, scales, args.alpha, getattr(model.config, "model_type", "?"), inputs)
+    spread = [float(s.max() / s.min()) for s in scales.values()]
+    print(f"{len(scales)} norms calibrated (alpha={args.alpha}) on {len(requests)} inputs; max/min smooth scale per "
+          f"norm: median {sorted(spread)[len(spread) // 2]:.1f}, largest {max(spread):.1f}; written to {out}")
     return 0
 
 
@@ -280,6 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="case file to write (merged into if it exists)")
     p.add_argument("--no-merge", action="store_true", help="overwrite --out instead of adding new cases")
     p.set_defaults(func=cmd_capture)
+
+    p = sub.add_parser("calibrate", help="SmoothQuant smooth scales for --quant w8a8, from generate on real inputs")
+    _add_model_args(p, many=True)
+    p.add_argument("--config", help="build random weights from this config (e.g. modeling/gutenocr_3b/config.json)")
+    p.add_argument("--num-layers", type=int, help="with --config: text layers to keep")
+    p.add_argument("--vision-depth", type=int, help="with --config: vision blocks to keep")
+    p.add_argument("--alpha", type=float, default=0.5, help="migration strength: s = max|X|^a / max|W|^(1-a)")
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--out", required=True, help="calibration file to write (.safetensors)")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("cases", help="test cases: run a case file against a backend")
     cases_sub = p.add_subparsers(dest="cases_command", required=True)

@@ -36,6 +36,11 @@ def write_text(path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
+def write_bytes(path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
 def check_writable(path, argument: str) -> Path:
     """Fail now, naming `argument`, if `path` cannot be written (before an hour of work, not after)."""
     target = Path(path)

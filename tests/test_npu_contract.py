@@ -134,3 +134,40 @@ def test_masked_second_branch_is_empty_not_zeros(npu):
 def test_cpu_tensors_are_not_npu_calls():
     assert registry.get("npu").supports("rms_norm", (torch.randn(2, 8), None, 1e-6, "hf")) == "device is cpu"
     assert "torch_npu" not in sys.modules  # never imported on a machine without an NPU
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 64), (5, 64), (2, 3, 64)])
+def test_quant_matmul_maps_onto_npu_quant_matmul(npu, out_dtype, shape):
+    gen = torch.Generator().manual_seed(0)
+    x_q = torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
+    w_q = torch.randint(-128, 128, (24, 64), generator=gen, dtype=torch.int8)
+    x_scale, w_scale = torch.rand(shape[:-1], generator=gen), torch.rand(24, generator=gen) * 1e-3
+    for bias in (None, torch.randn(24, generator=gen).to(out_dtype), torch.randn(24, generator=gen)):
+        args = (x_q, w_q, x_scale, w_scale, bias, out_dtype)
+        assert npu.supports("quant_matmul", args) in (None, "device is cpu")
+        y = npu.quant_matmul(*args)
+        assert y.shape == (*shape[:-1], 24) and y.dtype == out_dtype
+        assert_close(y, reference.quant_matmul(*args), ("y",))
+    assert torch_npu_standin.calls[-1] == "npu_quant_matmul"
+
+
+def test_quant_matmul_limits_are_the_documented_ones(npu, monkeypatch):
+    from pypto_gym.ops.backends.npu import quant_matmul_reason
+
+    x_q, w_q = torch.zeros(2, 8, dtype=torch.int8), torch.zeros(4, 8, dtype=torch.int8)
+    assert quant_matmul_reason(x_q, w_q, None, torch.bfloat16, "a2_a3") is None
+    assert "output_dtype float32" in quant_matmul_reason(x_q, w_q, None, torch.float32, "a2_a3")
+    assert "pertoken_scale is not supported on inference" in quant_matmul_reason(x_q, w_q, None, torch.float16,
+                                                                                  "inference")
+    assert "empty" in quant_matmul_reason(x_q[:0], w_q, None, torch.bfloat16, "a2_a3")
+    assert "bias float16 with output bfloat16" in quant_matmul_reason(x_q, w_q, torch.zeros(4).half(),
+                                                                       torch.bfloat16, "a2_a3")
+    # what the adapter refuses, the stand-in (torch_npu's documented rows) refuses too
+    with pytest.raises(RuntimeError, match="documented pertoken rows"):
+        torch_npu_standin.npu_quant_matmul(x_q, w_q.t(), torch.ones(4), pertoken_scale=torch.ones(2),
+                                           output_dtype=torch.float32)
+    monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend310P3")
+    with pytest.raises(RuntimeError, match="pertoken_scale is not supported"):
+        torch_npu_standin.npu_quant_matmul(x_q, w_q.t(), torch.ones(4), pertoken_scale=torch.ones(2),
+                                           output_dtype=torch.float16)

@@ -4,11 +4,13 @@ For every rms_norm / add_rms_norm case of a case file, each candidate (tile rows
 is compiled and costed in its own process (a compile error leaves PyPTO 0.2.0 unusable for the
 rest of a process), and the fastest becomes the entry of its shape class in
 `pypto_gym/ops/backends/pypto_tiling.json`, which the backend reads. Classes are (op, D, row
-bucket); a shape outside the table falls back to the backend's rule.
+bucket), each tuned on its largest row count; a shape outside the table falls back to the
+backend's rule. A configuration that crashes PyPTO or times out is reported "failed" and skipped.
 """
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +20,9 @@ from ..capture.cases import load_cases
 from ..ops.backends import pypto_backend
 from ..ops.backends.pypto_backend import Tiles, bucket
 
+TABLE = Path(pypto_backend.__file__).with_name("pypto_tiling.json")
 ROWS = (1, 2, 4, 8)
-NBUFFERS = (0, 4, 8, 16)
+NBUFFERS = (0, 4)  # the first full sweep (0/4/8/16) never found 8 or 16 best by more than its noise
 
 WORKER = """
 import json, sys, torch
@@ -52,14 +55,23 @@ def measure(op: str, R: int, D: int, tiles: Tiles) -> float | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])["us"]
 
 
-def tune(case_file, out_path=None) -> dict:
-    shapes = sorted({(c["op"], c["inputs"][next(iter(c["inputs"]))][0]) for c in load_cases(case_file)
-                     if c["op"] in ("rms_norm", "add_rms_norm")})
-    table: dict = {}
-    for op, shape in shapes:
-        D, R = shape[-1], 1
-        for s in shape[:-1]:
-            R *= s
+def tune(case_file, out_path=TABLE) -> dict:
+    """Tune every (op, D, row bucket) class of the case file on its largest row count, and write the
+    table after each class so an interrupted sweep resumes where it stopped (classes already in
+    the table are kept)."""
+    classes: dict = {}
+    for c in load_cases(case_file):
+        if c["op"] in ("rms_norm", "add_rms_norm"):
+            shape = c["inputs"][next(iter(c["inputs"]))][0]
+            R, D = math.prod(shape[:-1]), shape[-1]
+            key = f"{c['op']}:{D}:{bucket(R)}"
+            classes[key] = max(classes.get(key, 0), R)
+    table = json.loads(Path(out_path).read_text()) if Path(out_path).exists() else {}
+    for key, R in sorted(classes.items()):
+        if key in table:
+            print(f"{key:<26} kept from {out_path}", flush=True)
+            continue
+        op, D = key.split(":")[0], int(key.split(":")[1])
         results = []
         for tiles in candidates(R, D):
             us = measure(op, R, D, tiles)
@@ -67,20 +79,8 @@ def tune(case_file, out_path=None) -> dict:
                   flush=True)
             if us is not None:
                 results.append((us, tiles))
-        if not results:
-            continue
-        key = f"{op}:{D}:{bucket(R)}"
-        best_us, best = min(results, key=lambda r: r[0])
-        entry = table.setdefault(key, {"rows": best.rows, "nbuffer": best.nbuffer, "us": {}})
-        entry["us"][str(R)] = round(best_us, 2)
-        if (best.rows, best.nbuffer) != (entry["rows"], entry["nbuffer"]):  # a class tuned on several R: keep the
-            entry["note"] = "rows differ within this class; the first shape's best is kept"  # first, say so
-    if out_path:
-        files.write_text(out_path, json.dumps(table, indent=2, sort_keys=True) + "\n")
+        if results:
+            best_us, best = min(results, key=lambda r: r[0])
+            table[key] = {"rows": best.rows, "nbuffer": best.nbuffer, "tuned_on_rows": R, "us": round(best_us, 2)}
+            files.write_text(out_path, json.dumps(table, indent=2, sort_keys=True) + "\n")
     return table
-
-
-def main(case_file, out_path=Path(pypto_backend.__file__).with_name("pypto_tiling.json")) -> int:
-    table = tune(case_file, out_path)
-    print(json.dumps(table, indent=2))
-    return 0

@@ -3,8 +3,12 @@
 Forward hooks on every RMSNorm site record, per call, the op the site runs (rms_norm; and
 add_rms_norm where residual fusion applies, whether or not the model is patched, so a capture
 does not depend on the patch state), the input shape, dtypes and eps, and the phase: `prefill`
-for vision and for a forward that starts from an empty KV cache, `decode` after. Distinct
-(op, phase, shapes, dtypes, eps) become cases; the sites and call counts are kept.
+for vision and for a forward that starts from an empty KV cache, `decode` after. A norm patched
+in W8A8 mode runs the quant ops instead, and they are what is recorded (int8, with a smooth-scale
+input when the model was calibrated). Distinct (op, phase, shapes, dtypes, eps, smoothing) become
+cases; the sites and call counts are kept.
+
+With `absmax=True` the hooks also keep each norm's per-channel max |output| (calibration.py).
 """
 from __future__ import annotations
 
@@ -36,20 +40,21 @@ def _cache_len(kwargs) -> int:
 class ShapeRecorder:
     """`with ShapeRecorder(model) as rec: model.generate(...)`, then `rec.save(path)`."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, absmax: bool = False):
         self.model = model
         self.records: dict = {}
+        self.absmax: dict | None = {} if absmax else None  # norm path -> per-channel max |output| (fp32, [D])
         self._handles = []
         self._phase = "prefill"
 
     # -- hooks ------------------------------------------------------------------------------------
     def _sites(self):
-        """(path, module, kind, eps, fusable) for every RMSNorm site, patched or not."""
+        """(path, module, kind, eps, fusable, quant) for every RMSNorm site, patched or not."""
         modules = dict(self.model.named_modules())
         for path, module in modules.items():
             site = site_of(module)
             if site is not None:  # patched: no probe (it would count as a call)
-                yield path, module, site.kind, site.eps, site.fused
+                yield path, module, site.kind, site.eps, site.fused, site.quant
                 continue
             cand = discovery.classify(path, module)
             if cand is None or not cand.is_rms:
@@ -57,12 +62,12 @@ class ShapeRecorder:
             parent_path, _, attr = path.rpartition(".")
             parent = modules.get(parent_path)
             fusable = parent is not None and attr in fusion.fused_forward(type(parent), frozenset({attr}))[1]
-            yield path, module, cand.kind, cand.eps, fusable
+            yield path, module, cand.kind, cand.eps, fusable, None
 
     def __enter__(self):
         self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True))
-        for _, module, kind, eps, fusable in list(self._sites()):
-            hook = self._make_hook(kind, eps, fusable)
+        for path, module, kind, eps, fusable, quant in list(self._sites()):
+            hook = self._make_hook(path, kind, eps, fusable, quant)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         return self
 
@@ -75,15 +80,23 @@ class ShapeRecorder:
     def _on_model_forward(self, module, args, kwargs):
         self._phase = "prefill" if _cache_len(kwargs) == 0 else "decode"
 
-    def _make_hook(self, kind, eps, fusable):
+    def _make_hook(self, path, kind, eps, fusable, quant):
+        smoothed = bool(quant and quant.inv_smooth is not None)
+
         def hook(module, args, kwargs, output):
             x = args[0] if args else kwargs["hidden_states"]
             w = module.weight
             phase = "prefill" if kind.startswith("vision") else self._phase
             shape, xd, wd = tuple(x.shape), _dtype_name(x.dtype), _dtype_name(w.dtype)
-            self._add(("rms_norm", phase, shape, xd, tuple(w.shape), wd, eps), kind)
+            q = quant is not None and x.dtype == w.dtype  # QuantNorm runs the float op otherwise
+            ops = ("rms_norm_dynamic_quant", "add_rms_norm_dynamic_quant") if q else ("rms_norm", "add_rms_norm")
+            self._add((ops[0], phase, shape, xd, tuple(w.shape), wd, eps, smoothed and q), kind)
             if fusable:
-                self._add(("add_rms_norm", phase, shape, xd, tuple(w.shape), wd, eps), kind)
+                self._add((ops[1], phase, shape, xd, tuple(w.shape), wd, eps, smoothed and q), kind)
+            if self.absmax is not None:
+                y = output[0] if isinstance(output, tuple) else output
+                m = y.detach().abs().reshape(-1, y.shape[-1]).amax(0).to(torch.float32).cpu()
+                self.absmax[path] = m if path not in self.absmax else torch.maximum(self.absmax[path], m)
         return hook
 
     def _add(self, key, kind):
@@ -96,14 +109,15 @@ class ShapeRecorder:
     def cases(self, seed: int = 42) -> list[dict]:
         """The recorded shapes as SPEC 4 test cases, in a stable order with stable ids."""
         keys = sorted(self.records, key=lambda k: (list(OP_SCHEMA).index(k[0]), PHASE_ORDER[k[1]],
-                                                   sorted(self.records[k]["sites"])[0], k[2], k[3], k[5], k[6]))
+                                                   sorted(self.records[k]["sites"])[0], k[2], k[3], k[5], k[6],
+                                                   k[7]))
         counters, out = {}, []
         for key in keys:
-            op, phase, shape, xd, wshape, wd, eps = key
+            op, phase, shape, xd, wshape, wd, eps, smoothed = key
             counters[op] = counters.get(op, 0) + 1
             rec = self.records[key]
             out.append(make_case(f"{op}_{counters[op]:03d}", op, phase, sorted(rec["sites"]), rec["count"], seed,
-                                 list(shape), xd, list(wshape), wd, eps))
+                                 list(shape), xd, list(wshape), wd, eps, smoothed))
         return out
 
     def save(self, path, model_name: str | None = None, merge: bool = True, seed: int = 42) -> dict:
@@ -141,16 +155,25 @@ def case_key(case: dict) -> tuple:
     return (case["op"], case.get("phase"), tuple(first["shape"]), first["dtype"], json.dumps(inp, sort_keys=True))
 
 
-def make_case(cid, op, phase, sites, count, seed, shape, x_dtype, w_shape, w_dtype, eps) -> dict:
+def make_case(cid, op, phase, sites, count, seed, shape, x_dtype, w_shape, w_dtype, eps, smoothed=False) -> dict:
     out_dtype = _dtype_name(torch.promote_types(getattr(torch, x_dtype), getattr(torch, w_dtype)))
     x = {"shape": shape, "dtype": x_dtype}
     w = {"shape": w_shape, "dtype": w_dtype}
+    rows = {"shape": shape[:-1], "dtype": "float32"}
+    codes = {"shape": shape, "dtype": "int8"}
+    smooth = {"smooth_scale1": {"shape": w_shape, "dtype": x_dtype}} if smoothed else {}
     if op == "rms_norm":
         inputs = {"hidden_states": x, "weight": w, "eps": {"value": eps}}
         outputs = {"output": {"shape": shape, "dtype": out_dtype}}
-    else:
+    elif op == "add_rms_norm":
         inputs = {"x1": x, "x2": dict(x), "gamma": w, "eps": {"value": eps}}
         outputs = {"y": {"shape": shape, "dtype": out_dtype}, "x_out": dict(x)}
+    elif op == "rms_norm_dynamic_quant":
+        inputs = {"hidden_states": x, "weight": w, **smooth, "eps": {"value": eps}, "dst_type": {"value": "int8"}}
+        outputs = {"y": codes, "scale": rows}
+    else:
+        inputs = {"x1": x, "x2": dict(x), "gamma": w, **smooth, "eps": {"value": eps}, "dst_type": {"value": "int8"}}
+        outputs = {"y1": codes, "x_out": dict(x), "scale1": rows}
     tol = tolerance(out_dtype)
     return {"id": cid, "description": f"{'+'.join(sites)} {phase} {tuple(shape)} {x_dtype}", "op": op,
             "phase": phase, "sites": sites, "count": count, "seed": seed, "input": inputs, "output": outputs,

@@ -18,6 +18,20 @@ GUTENOCR_CONFIG = MODELING_DIR / "gutenocr_3b" / "config.json"
 SAMPLE_IMAGE = TINY_DIR / "sample.png"
 DOCUMENT_IMAGE = MODELING_DIR / "gutenocr_3b" / "document.png"
 
+# W8A8: the linears that read each norm kind's output rows directly, relative to the norm's parent
+# ("<lm_head>": the model's output embedding), so the norm can hand them int8 rows. Qwen2/2.5/3
+# decoders share the text names; the vision names are Qwen2.5-VL's blocks.
+LINEARS_AFTER_NORM = {
+    "text.input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "text.post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+    "text.norm": ("<lm_head>",),
+    "vision.norm1": ("attn.qkv",),
+    "vision.norm2": ("mlp.gate_proj", "mlp.up_proj"),
+}
+# ...and those that read a norm's output regrouped (the merger folds 4 rows of 1280 into one of 5120):
+# their rows are not the norm's rows, so they quantise their input themselves.
+LINEARS_AFTER_REGROUPED_NORM = {"vision.merger.ln_q": ("mlp.0",)}
+
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",

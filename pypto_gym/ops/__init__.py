@@ -24,7 +24,8 @@ from .dispatch import BackendFallbackError, Stats
 from .reference import pack_int4, unpack_int4
 from .registry import backend_names
 
-__all__ = ["rms_norm", "add_rms_norm", "rms_norm_dynamic_quant", "add_rms_norm_dynamic_quant", "pack_int4",
+__all__ = ["rms_norm", "add_rms_norm", "rms_norm_dynamic_quant", "add_rms_norm_dynamic_quant", "quant_matmul",
+           "pack_int4",
            "unpack_int4", "backend_names", "Stats", "GLOBAL_STATS", "BackendFallbackError", "BoundNorm"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a Parameter disables __torch_function__: it is a plain tensor here
@@ -126,3 +127,17 @@ def add_rms_norm_dynamic_quant(x1, x2, gamma, smooth_scale1=None, smooth_scale2=
         return dispatch.call("add_rms_norm_dynamic_quant", backend, stats, args)
     y1, y2, x_out, s1, s2 = library.add_rms_norm_dynamic_quant_op(*args, backend, stats.id)
     return (y1, y2, x_out, s1, s2) if smooth_scale2 is not None else (y1, None, x_out, s1, None)
+
+
+def quant_matmul(x_q, w_q, x_scale, w_scale, bias=None, *, out_dtype=torch.bfloat16, backend=None, stats=None):
+    """W8A8 linear: (x_q @ w_q^T in int32) * x_scale[..., None] * w_scale (+ bias) as out_dtype.
+
+    x_q int8 [..., K] and its per-row fp32 scales [...] (what the quant norms emit); w_q int8 [N, K]
+    and its per-output-channel fp32 scales [N]; bias [N] in a float dtype or None. No gradient.
+    """
+    validation.check_quant_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype)
+    backend, stats = _route(backend, stats)
+    args = (x_q, w_q, x_scale, w_scale, bias, out_dtype)
+    if _eager(x_scale, w_scale, bias):
+        return dispatch.call("quant_matmul", backend, stats, args)
+    return library.quant_matmul_op(*args, backend, stats.id)

@@ -29,7 +29,8 @@ from .registry import BACKENDS, AUTO_ORDER, get
 
 REFERENCE = {"rms_norm": reference.rms_norm, "add_rms_norm": reference.add_rms_norm,
              "rms_norm_dynamic_quant": reference.rms_norm_dynamic_quant,
-             "add_rms_norm_dynamic_quant": reference.add_rms_norm_dynamic_quant}
+             "add_rms_norm_dynamic_quant": reference.add_rms_norm_dynamic_quant,
+             "quant_matmul": reference.quant_matmul}
 OPS = tuple(REFERENCE)
 
 

@@ -1,4 +1,4 @@
-"""The four ops as torch.library custom ops (namespace `pypto_gym`), with fake kernels and backward.
+"""The five ops as torch.library custom ops (namespace `pypto_gym`), with fake kernels and backward.
 
 Registering them makes a patched model traceable: `torch.compile(fullgraph=True)` sees one opaque
 node per norm (shape from the fake kernel) instead of a graph break, and autograd gets explicit
@@ -136,6 +136,16 @@ def _(x1, x2, gamma, smooth_scale1, smooth_scale2, beta, eps, dst_type, backend,
             x1.new_empty(rows, dtype=torch.float32), x1.new_empty(rows if two else (0,), dtype=torch.float32))
 
 
+@torch.library.custom_op("pypto_gym::quant_matmul", mutates_args=())
+def quant_matmul_op(x_q: Tensor, w_q: Tensor, x_scale: Tensor, w_scale: Tensor, bias: Optional[Tensor],
+                    out_dtype: torch.dtype, backend: str, stats: int) -> Tensor:
+    return _run("quant_matmul", backend, stats, x_q, w_q, x_scale, w_scale, bias, out_dtype)
+
+
+@quant_matmul_op.register_fake
+def _(x_q, w_q, x_scale, w_scale, bias, out_dtype, backend, stats):
+    return x_q.new_empty((*x_q.shape[:-1], w_q.shape[0]), dtype=out_dtype)
+
 
 def _non_differentiable(op, n_inputs: int) -> None:
     """Quantisation has no useful gradient: every output is marked non-differentiable, so callers
@@ -151,3 +161,4 @@ def _non_differentiable(op, n_inputs: int) -> None:
 
 _non_differentiable(rms_norm_dynamic_quant_op, 8)
 _non_differentiable(add_rms_norm_dynamic_quant_op, 10)
+_non_differentiable(quant_matmul_op, 8)

@@ -106,6 +106,29 @@ def add_rms_norm_dynamic_quant(x1, x2, gamma, smooth_scale1=None, smooth_scale2=
     return y1, y2, x_out, s1, s2
 
 
+EXACT_K = 1024  # int8 products are at most 2**14 in magnitude: sums of 1024 of them stay exact in fp32 (2**24)
+
+
+def quant_matmul(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
+    """W8A8 linear: y = fp32(x_q @ w_q^T, accumulated exactly) * x_scale[..., None] * w_scale (+ bias).
+
+    x_q int8 [..., K] with per-row scales x_scale [...]; w_q int8 [N, K] with per-output-channel
+    scales w_scale [N]. The integer product is exact (as an int32 accumulator is): computed in fp32
+    over chunks of EXACT_K columns, where every partial sum is an integer below 2**24, and summed
+    in float64. Then one fp32 conversion, the per-row scale, the per-channel scale, the bias in
+    fp32, one cast to out_dtype: the order every backend follows.
+    """
+    K, N = x_q.shape[-1], w_q.shape[0]
+    x2 = x_q.reshape(-1, K)
+    acc = torch.zeros(x2.shape[0], N, dtype=torch.float64, device=x_q.device)
+    for k in range(0, K, EXACT_K):
+        acc += (x2[:, k:k + EXACT_K].to(torch.float32) @ w_q[:, k:k + EXACT_K].to(torch.float32).T).to(torch.float64)
+    y = acc.to(torch.float32) * x_scale.reshape(-1, 1).to(torch.float32) * w_scale.to(torch.float32)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(out_dtype).reshape(*x_q.shape[:-1], N)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Pack int4 values (one per int8, in [-8, 7]) two per byte, low nibble first, along the last dim."""
     if q.dtype != torch.int8:

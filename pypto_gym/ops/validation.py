@@ -135,3 +135,35 @@ def check_quant(x, gamma, smooth_scale1, smooth_scale2, beta, eps, dst_type, x2=
         raise ValueError("smooth_scale2: given without smooth_scale1; expected smooth_scale1 too (or neither)")
     _check_eps(eps, strictly_positive=True)
     _check_choice("dst_type", dst_type, DST_TYPES)
+
+
+MAX_QUANT_K = 2 ** 17 - 1  # K * 128 * 128 must fit the int32 accumulator
+
+
+def check_quant_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype) -> None:
+    for name, t, dtype in (("x_q", x_q, torch.int8), ("w_q", w_q, torch.int8), ("x_scale", x_scale, torch.float32),
+                           ("w_scale", w_scale, torch.float32)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name}: dtype {_name(t.dtype)} not supported; expected {_name(dtype)}")
+        if t.device != x_q.device:
+            raise ValueError(f"{name}: on device {t.device}, expected x_q's device {x_q.device}")
+    if x_q.dim() == 0 or w_q.dim() != 2 or x_q.shape[-1] != w_q.shape[1]:
+        raise ValueError(f"w_q: shape {tuple(w_q.shape)} does not fit x_q {tuple(x_q.shape)}; expected (N, "
+                         f"{x_q.shape[-1] if x_q.dim() else 'K'})")
+    if not 0 < x_q.shape[-1] <= MAX_QUANT_K:
+        raise ValueError(f"x_q: last dim K={x_q.shape[-1]}; expected 1 <= K <= {MAX_QUANT_K} (int32 accumulation)")
+    if tuple(x_scale.shape) != tuple(x_q.shape[:-1]):
+        raise ValueError(f"x_scale: shape {tuple(x_scale.shape)}; expected {tuple(x_q.shape[:-1])} (one per row of x_q)")
+    N = w_q.shape[0]
+    if tuple(w_scale.shape) != (N,):
+        raise ValueError(f"w_scale: shape {tuple(w_scale.shape)}; expected ({N},) (one per output channel)")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dtype not in FLOAT_DTYPES or tuple(bias.shape) != (N,):
+            got = f"{_name(bias.dtype)} {tuple(bias.shape)}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"bias: got {got}; expected None or a float tensor of shape ({N},)")
+        if bias.device != x_q.device:
+            raise ValueError(f"bias: on device {bias.device}, expected x_q's device {x_q.device}")
+    if out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype: got {out_dtype}; expected float16, bfloat16 or float32")

@@ -8,6 +8,7 @@ import warnings
 import torch
 
 from .. import config
+from ..quant import plan as w8a8
 from ..ops import registry, validation
 from . import discovery, fusion
 from .report import PatchReport
@@ -24,11 +25,12 @@ class PatchState:
     """What patch_model did to one model, kept on the model so unpatch can undo exactly that."""
 
     def __init__(self, options: dict):
-        self.options = options  # backend, sites (normalised globs), fuse_residual, cast_mode
+        self.options = options  # backend, sites (normalised globs), fuse_residual, cast_mode, quant, calibration
         self.entries: list = []  # Site (patched) or dict (skipped row), in discovery order
         self.layers: list[fusion.FusedLayer] = []
         self.fusion_skipped: list[dict] = []
         self.unavailable: dict[str, str] = {}  # device type -> why its backend cannot run (said at patch time)
+        self.quant: w8a8.QuantPlan | None = None
 
     @property
     def sites(self) -> list[Site]:
@@ -46,15 +48,19 @@ def _skipped_row(c: discovery.Candidate, reason: str) -> dict:
             "fused_residual": False, "calls": 0, "fallbacks": {}}
 
 
-def _options(backend, sites, fuse_residual, cast_mode) -> dict:
+def _options(backend, sites, fuse_residual, cast_mode, quant_mode=None, calibration=None) -> dict:
     """The validated patch options; every refusal names the argument."""
+    if quant_mode is not None and quant_mode not in w8a8.MODES:
+        raise ValueError(f"quant: got {quant_mode!r}; expected None or one of {', '.join(map(repr, w8a8.MODES))}")
+    if calibration is not None and quant_mode is None:
+        raise ValueError("calibration: given without quant='w8a8'; smooth scales only apply to int8 linears")
     backend = registry.default_backend() if backend is None else registry.check_name(backend)
     if not isinstance(fuse_residual, bool):
         raise TypeError(f"fuse_residual: got {fuse_residual!r} ({type(fuse_residual).__name__}); expected True or False")
     if cast_mode not in validation.CAST_MODES:
         raise ValueError(f"cast_mode: got {cast_mode!r}; expected one of {', '.join(map(repr, validation.CAST_MODES))}")
     return {"backend": backend, "sites": discovery.parse_sites(sites), "fuse_residual": fuse_residual,
-            "cast_mode": cast_mode}
+            "cast_mode": cast_mode, "quant": quant_mode, "calibration": None if calibration is None else str(calibration)}
 
 
 def _refuse_nested(model) -> None:
@@ -113,12 +119,16 @@ def _execution_device(module) -> str:
 
 
 def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, fuse_residual: bool = True,
-                cast_mode: str = "hf") -> PatchReport:
+                cast_mode: str = "hf", quant: str | None = None, calibration=None) -> PatchReport:
     """Swap every RMSNorm site of `model` for the fused op; returns the live report.
 
     backend: "auto" (default, or $PYPTO_GYM_BACKEND), "torch", "cpu", "npu" or "pypto".
     sites: globs over kinds or paths ("text.*,vision.merger.ln_q" or a list); None = every site.
     fuse_residual: also fuse `residual + h` into the following norm where the layer is recognised.
+    quant: "w8a8" also turns the linears that read a patched norm's rows into int8 linears fed by
+      the fused norm + dynamic quant ops (pypto_gym.quant); None (default) keeps them float.
+    calibration: with quant, a smooth-scale file from scripts/calibrate.py (SmoothQuant); without
+      one, no smoothing (the report says so).
     Patching an already patched model with the same options returns its report and changes
     nothing; with other options it raises (unpatch first). A model that contains a patched
     model, or is part of one, is refused with the other patch named.
@@ -126,7 +136,7 @@ def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: got {type(model).__name__}; expected a torch.nn.Module")
     config.STATE.load()
-    options = _options(backend, sites, fuse_residual, cast_mode)
+    options = _options(backend, sites, fuse_residual, cast_mode, quant, calibration)
     existing = model.__dict__.get(_STATE_ATTR)
     if existing is not None:
         if existing.options != options:
@@ -147,6 +157,8 @@ def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, 
             state.entries.append(site)
     try:
         _say_unavailable(state)
+        if quant is not None:
+            state.quant = w8a8.install(model, state.sites, options["backend"], calibration)
         if fuse_residual:
             _fuse_layers(model, state)
     except BaseException:
@@ -157,6 +169,8 @@ def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, 
 
 
 def _undo(state: PatchState) -> None:
+    if state.quant is not None:
+        state.quant.uninstall(state.sites)
     for layer in state.layers:
         layer.uninstall()
     for site in state.sites:

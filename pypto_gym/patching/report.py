@@ -34,6 +34,7 @@ class PatchReport:
             "sites": sites,
             "fused_layers": [{"path": layer.path, "norms": layer.fused} for layer in layers],
             "fusion_skipped": [dict(r) for r in st.fusion_skipped] + rejected,
+            "w8a8": None if st.quant is None else st.quant.to_json(),
         }
 
     def __str__(self) -> str:
@@ -54,6 +55,10 @@ class PatchReport:
             notes = [r["reason"]] if r["reason"] else [f"{k} x{v}" for k, v in r.get("fallbacks", {}).items()]
             for why, n in r.get("fusion_bypassed", {}).items():
                 notes.append(f"fusion bypassed x{n} ({why})")
+            if r.get("quant"):
+                q = r["quant"]
+                notes.append(f"int8 rows to {len(q['int8_to'])} linears{' (smoothed)' if q['smoothed'] else ''}")
+                notes += [f"quant bypassed x{n} ({why})" for why, n in q["bypassed"].items()]
             if len(r["paths"]) > 1:
                 notes.append("also at " + ", ".join(r["paths"][1:]))
             lines.append(f"{r['path']:<{w}} {r['kind']:<29} {r['status']:<8} {r['D']:>5} {r['dtype']:<9} "
@@ -61,6 +66,26 @@ class PatchReport:
                          f"{r.get('calls', 0):>6}  {'; '.join(notes)}")
         for r in d["fusion_skipped"]:
             lines.append(f"residual fusion skipped at {r['path']}: {r['reason']}")
+        if d["w8a8"] is not None:
+            lines += _w8a8_lines(d["w8a8"])
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _w8a8_lines(q: dict) -> list[str]:
+    s = q["summary"]
+    smoothing = f"smooth scales from {q['calibration']}" if q["smoothing"] else "no smoothing (no calibration file)"
+    lines = [f"W8A8: {s['int8']}/{s['linears']} linears int8 ({s['quant_norms']} norms emit int8 rows), {smoothing}; "
+             f"int8 rows handed over x{s['handed_over']}, quantised in the linear x{s['quantized_here']}, "
+             f"fallbacks={s['fallbacks']}; weights of the int8 linears {s['float_weight_bytes'] / 2 ** 20:.1f} MB "
+             f"float -> {s['int8_weight_bytes'] / 2 ** 20:.1f} MB int8 (float copies kept for unpatch_model)"]
+    for r in q["skipped_norms"]:
+        lines.append(f"norm {r['path']} stays float: {r['reason']}")
+    w = max([len(r["path"]) for r in q["linears"]] + [20])
+    header = f"{'linear':<{w}} {'became':<9} {'backend':<10} {'calls':>6}  input / fallbacks"
+    lines += [header, "-" * len(header)]
+    for r in q["linears"]:
+        notes = [r["input"]] + [f"{k} x{v}" for k, v in r["fallbacks"].items()]
+        lines.append(f"{r['path']:<{w}} {r['became']:<9} {r['backend'] or '':<10} {r['calls']:>6}  {'; '.join(notes)}")
+    return lines

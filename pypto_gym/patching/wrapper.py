@@ -36,6 +36,7 @@ class Site:
         self.call = ops.BoundNorm(module.weight, eps, cast_mode, backend, Stats())  # what every call runs
         self.fused = False
         self.bypassed: dict[str, int] = {}  # fused calls that ran unfused, by reason
+        self.quant = None  # a quant.norm.QuantNorm in W8A8 mode: the norm emits int8 rows for its linears
         self._attr = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
         self._saved = module.__dict__.get(self._attr)  # accelerate's inner forward, or None
 
@@ -75,7 +76,11 @@ class Site:
                 "backend": stats.backend or self.requested_backend, "requested_backend": self.requested_backend,
                 "D": int(w.shape[0]),
                 "eps": self.eps, "dtype": str(w.dtype).replace("torch.", ""), "device": str(w.device),
-                "fused_residual": self.fused, "fusion_bypassed": dict(self.bypassed), "calls": stats.calls,
+                "fused_residual": self.fused, "fusion_bypassed": dict(self.bypassed),
+                "quant": None if self.quant is None else {"int8_to": list(self.quant.consumers),
+                                                          "smoothed": self.quant.inv_smooth is not None,
+                                                          "bypassed": dict(self.quant.bypassed)},
+                "calls": stats.calls,
                 "ran_on": dict(stats.ran), "fallbacks": dict(stats.fallbacks)}
 
 
@@ -83,6 +88,8 @@ def patched_forward(module, hidden_states, residual=None):
     """The forward of every patched norm; with `residual`, returns (norm(residual + h), residual + h)."""
     site = module.__dict__[_SLOT]
     if _STATE.enabled:
+        if site.quant is not None:
+            return site.quant.forward(site, module, hidden_states, residual)
         if residual is None:
             return site.call.rms_norm(hidden_states, module._parameters["weight"])
         return site.call.add_rms_norm(residual, hidden_states, module._parameters["weight"])

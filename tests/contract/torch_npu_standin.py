@@ -11,6 +11,11 @@ against this module, written from torch_npu's API pages:
       epsilon=1e-06, output_mask=None, y_dtype=None) -> (y1, y2, x_out, scale1, scale2)
       2-8 dims; no empty tensors; fp16/bf16; y_dtype int8 or torch.quint4x2 (eight int4 per int32,
       D % 8 == 0); an output the mask turns off is an empty tensor; A2/A3 chips only.
+  npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None)
+      x1 int8 [m, k] (2-6 dims), x2 int8 [k, n]; scale [n] or [1] fp32/bf16; pertoken_scale fp32 [m]
+      (not on Atlas inference series chips); documented rows with pertoken_scale: output bf16 with
+      scale fp32/bf16 and bias int32/bf16/fp32, or output fp16 with scale fp32 and bias int32/fp16/fp32;
+      a float bias is added after dequantisation; x1, x2 and scale must not be empty.
 `npu.get_device_name()` reports the chip this stand-in pretends to be (`DEVICE_NAME`).
 """
 import types
@@ -91,3 +96,29 @@ def npu_add_rms_norm_dynamic_quant(x1, x2, gamma, *, smooth_scale1=None, smooth_
         results.append((reference.pack_int4_to_int32(y) if int4 else y, s))
     (y1, s1), (y2, s2) = results
     return y1, y2, x_out, s1, s2
+
+
+def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None):
+    calls.append("npu_quant_matmul")
+    _check(x1.dtype == torch.int8 and x2.dtype == torch.int8, "npu_quant_matmul: x1/x2 must be int8 here")
+    _check(2 <= x1.dim() <= 6 and 2 <= x2.dim() <= 6, "npu_quant_matmul: x1/x2 must have 2-6 dims")
+    _check(x1.numel() > 0 and x2.numel() > 0 and scale.numel() > 0, "npu_quant_matmul: empty x1, x2 or scale")
+    m, k = x1.shape[-2:]
+    k2, n = x2.shape[-2:]
+    _check(k == k2, f"npu_quant_matmul: x1 [.., {k}] and x2 [{k2}, ..] disagree on k")
+    _check(scale.dim() == 1 and scale.shape[0] in (1, n), f"npu_quant_matmul: scale shape {tuple(scale.shape)}")
+    _check(offset is None, "npu_quant_matmul: offset is not documented with a float output")
+    if pertoken_scale is not None:
+        _check(_a2_a3(), "npu_quant_matmul: pertoken_scale is not supported on this chip")
+        _check(pertoken_scale.dtype == torch.float32 and tuple(pertoken_scale.shape) == (m,),
+               f"npu_quant_matmul: pertoken_scale must be float32 [{m}]")
+    rows = {torch.bfloat16: ({torch.float32, torch.bfloat16}, {torch.int32, torch.bfloat16, torch.float32}),
+            torch.float16: ({torch.float32}, {torch.int32, torch.float16, torch.float32})}
+    _check(output_dtype in rows and pertoken_scale is not None, "npu_quant_matmul: only the documented "
+           "pertoken rows (output bfloat16 or float16) are modelled here")
+    scales, biases = rows[output_dtype]
+    _check(scale.dtype in scales, f"npu_quant_matmul: scale {scale.dtype} with output {output_dtype}")
+    _check(bias is None or (bias.dtype in biases and tuple(bias.shape) == (n,)), "npu_quant_matmul: bias dtype/shape")
+    _check(bias is None or bias.dtype != torch.int32, "npu_quant_matmul: an int32 bias is not modelled here")
+    return reference.quant_matmul(x1, x2.transpose(-1, -2), pertoken_scale, scale.float().expand(n), bias,
+                                  output_dtype)

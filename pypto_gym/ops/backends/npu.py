@@ -14,11 +14,17 @@ without CANN (importing it there breaks `import torch`). Mapping (torch_npu's do
   `reference.unpack_int4_from_int32` turns into one code per int8 (SPEC 2.3's layout).
 - rms_norm_dynamic_quant: the same fused op with x2 = 0 (x + 0 == x exactly), which keeps SPEC
   2.3's fp32 math.
+- quant_matmul: `npu_quant_matmul(x1, x2, scale, *, offset, pertoken_scale, bias, output_dtype)`
+  with x1 = int8 rows [M, K], x2 = the int8 weight as [K, N] (a transposed view of our [N, K]),
+  scale = the per-channel fp32 scales, pertoken_scale = the per-row fp32 scales, a float bias
+  added after dequantisation, output_dtype bfloat16 or float16 (the documented pertoken rows).
 
 Limits are torch_npu's documented ones, checked before the kernel is called (capabilities,
 counted as fallbacks): no empty tensors for the add ops and the quant op; 2-8 dims (a 1-D input
 is viewed as one row); x/gamma dtype pairs of npu_rms_norm per chip; fp16/bf16 only for the
-quant op, on A2/A3 chips only; no bf16 for npu_add_rms_norm on Atlas inference series chips.
+quant op, on A2/A3 chips only; no bf16 for npu_add_rms_norm on Atlas inference series chips;
+npu_quant_matmul with pertoken_scale on A2/A3 only, output fp16/bf16, a float bias in fp32 or
+the output dtype.
 """
 from __future__ import annotations
 
@@ -84,6 +90,20 @@ def limits_reason(op: str, shape: tuple, dtype: torch.dtype, *, gamma_dtype=None
     return None
 
 
+def quant_matmul_reason(x_q, w_q, bias, out_dtype, series: str) -> str | None:
+    """Why npu_quant_matmul cannot take this call with per-token scales (None if it can)."""
+    name = "npu_quant_matmul"
+    if series != "a2_a3":
+        return f"{name}: pertoken_scale is not supported on {series} chips"
+    if not x_q.numel() or not w_q.numel():
+        return f"{name}: empty tensors are not supported"
+    if out_dtype not in _HALF:
+        return f"{name}: output_dtype {_name(out_dtype)} not supported with pertoken_scale (float16, bfloat16)"
+    if bias is not None and bias.dtype not in (out_dtype, torch.float32):
+        return f"{name}: bias {_name(bias.dtype)} with output {_name(out_dtype)} is not a documented combination"
+    return None
+
+
 class NpuBackend(Backend):
     name = "npu"
     devices = ("npu",)
@@ -105,6 +125,9 @@ class NpuBackend(Backend):
         reason = super().supports(op, args)
         if reason:
             return reason
+        if op == "quant_matmul":
+            x_q, w_q, _, _, bias, out_dtype = args
+            return quant_matmul_reason(x_q, w_q, bias, out_dtype, self.series(x_q.device.index))
         x, gamma = args[0], args[GAMMA_INDEX[op]]
         quant = op.endswith("quant")
         return limits_reason("quant" if quant else op, tuple(x.shape), x.dtype,
@@ -156,6 +179,12 @@ class NpuBackend(Backend):
         rows = x1.shape[:-1]
         return (y1.reshape(x1.shape), y2.reshape(x1.shape) if two else None, x_out.reshape(x1.shape),
                 s1.reshape(rows), s2.reshape(rows) if two else None)
+
+    def quant_matmul(self, x_q, w_q, x_scale, w_scale, bias, out_dtype):
+        K, N = x_q.shape[-1], w_q.shape[0]
+        y = self.torch_npu().npu_quant_matmul(x_q.reshape(-1, K), w_q.t(), w_scale, pertoken_scale=x_scale.reshape(-1),
+                                              bias=bias, output_dtype=out_dtype)
+        return y.reshape(*x_q.shape[:-1], N)
 
 
 register(NpuBackend())

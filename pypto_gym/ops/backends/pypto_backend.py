@@ -90,6 +90,10 @@ class RunInfo:
     cached: bool = False
 
 
+NO_MATMUL = ("quant_matmul is not provided: PyPTO 0.2.0's int8 pypto.matmul runs on the cube unit, whose "
+             "tiling and SIM verification this backend does not have yet")
+
+
 class PyptoBackend(Backend):
     name = "pypto"
     devices = ("cpu", "npu")
@@ -117,6 +121,8 @@ class PyptoBackend(Backend):
         return self._error or self._poisoned
 
     def supports(self, op, args):
+        if op == "quant_matmul":
+            return NO_MATMUL
         x, gamma = args[0], args[GAMMA_INDEX[op]]
         reason = super().supports(op, args)
         if reason:

@@ -14,6 +14,7 @@ class TorchBackend(Backend):
     add_rms_norm = staticmethod(reference.add_rms_norm)
     rms_norm_dynamic_quant = staticmethod(reference.rms_norm_dynamic_quant)
     add_rms_norm_dynamic_quant = staticmethod(reference.add_rms_norm_dynamic_quant)
+    quant_matmul = staticmethod(reference.quant_matmul)
 
 
 register(TorchBackend())

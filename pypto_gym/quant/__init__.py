@@ -1,0 +1,12 @@
+"""W8A8: int8 weights and activations for the linears that read a norm's output (SmoothQuant-style).
+
+`patch_model(model, quant="w8a8", calibration=FILE)` makes each norm before such linears run
+`rms_norm_dynamic_quant` / `add_rms_norm_dynamic_quant` (norm.py), hands their int8 rows and
+per-row scales to the linears (activations.py), whose forwards run `ops.quant_matmul` on int8
+copies of their weights (linear.py). plan.py decides which norms and linears; calibration.py
+makes and checks the smooth scales. Unpatching restores the float model exactly: the float
+weights are never modified.
+"""
+from .plan import MODES, QuantPlan, install
+
+__all__ = ["MODES", "QuantPlan", "install"]

@@ -1,0 +1,107 @@
+"""SmoothQuant calibration: per-channel smooth scales for the norms whose outputs feed int8 linears.
+
+Activation outliers sit in a few channels of a norm's output; per-row int8 quantisation then
+spends its 255 levels on them and the other channels round to a handful of codes. SmoothQuant
+(Xiao et al., 2023) moves part of that range into the weights: for each channel j,
+s_j = max|X_j|^alpha / max|W_j|^(1 - alpha), the norm's quant op multiplies its rows by 1/s
+(its smooth scale) and every linear reading them gets W * s, which leaves X @ W^T unchanged in
+exact arithmetic. max|X_j| is collected at each norm's output by the shape recorder's hooks
+while the float model generates on real inputs; max|W_j| is over all the norm's consumer linears.
+
+A calibration file is safetensors: one fp32 tensor `<norm path>.smooth_scale` of shape [D] per
+norm, and one metadata entry: a JSON string with the format, alpha, model type and the inputs used. The same model and inputs give
+the same bytes. Loading checks every tensor against the model and names the one that is wrong.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+FORMAT = "pypto_gym-smoothquant-1"
+SUFFIX = ".smooth_scale"
+META_KEY = "pypto_gym"
+FLOOR = 1e-5  # a channel that never fired, or an all-zero weight column, gets s = 1 instead of 0 or inf
+
+
+def smooth_scales(model, absmax: dict, alpha: float) -> dict:
+    """{norm path: s [D] fp32} for every recorded norm that has consumer linears."""
+    from ..patching import discovery
+    from .plan import linears_after
+
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha: got {alpha}; expected a number in [0, 1]")
+    out = {}
+    for cand in discovery.find_candidates(model):
+        if not cand.is_rms or cand.path not in absmax:
+            continue
+        found, _ = linears_after(model, cand)
+        if not found:
+            continue
+        a = absmax[cand.path].to(torch.float32).cpu()
+        w = torch.stack([lin.weight.detach().abs().amax(0).to(torch.float32).cpu() for _, lin in found]).amax(0)
+        s = a.clamp(min=FLOOR).pow(alpha) / w.clamp(min=FLOOR).pow(1.0 - alpha)
+        out[cand.path] = torch.where((a > 0) & (w > 0), s, torch.ones_like(s)).contiguous()
+    return out
+
+
+def save(path, scales: dict, alpha: float, model_type: str, inputs: list[str]) -> None:
+    """Write a calibration file (atomically, deterministic bytes)."""
+    from safetensors.torch import save
+
+    from .. import files
+
+    info = {"format": FORMAT, "alpha": float(alpha), "model_type": str(model_type), "inputs": list(inputs),
+            "norms": len(scales)}
+    # one metadata key: safetensors writes its metadata map in hash order, which would vary between runs
+    metadata = {META_KEY: json.dumps(info, sort_keys=True)}
+    data = save({f"{p}{SUFFIX}": scales[p] for p in sorted(scales)}, metadata=metadata)
+    files.write_bytes(path, data)
+
+
+def load(path, expected: dict) -> dict:
+    """{norm path: s} from a calibration file, checked against `expected` {norm path: D}."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load as load_bytes
+
+    p = Path(path)
+    where = f"calibration {p}"
+    if not p.is_file():
+        raise FileNotFoundError(f"{where}: no such file")
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            metadata = f.metadata() or {}
+        tensors = load_bytes(p.read_bytes())
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{where}: not a safetensors file ({str(e).splitlines()[0][:120]})") from None
+    try:
+        fmt = json.loads(metadata.get(META_KEY, "{}")).get("format")
+    except (json.JSONDecodeError, AttributeError):
+        fmt = None
+    if fmt != FORMAT:
+        raise ValueError(f"{where}: metadata format {fmt!r}; expected {FORMAT!r} (a file written by "
+                         f"scripts/calibrate.py)")
+    out = {}
+    examples = ", ".join(repr(n) for n in sorted(expected)[:2])
+    for name in sorted(tensors):
+        t = tensors[name]
+        norm = name[:-len(SUFFIX)] if name.endswith(SUFFIX) else None
+        if norm not in expected:
+            raise ValueError(f"{where}: tensor {name!r} names no quantised norm of this model (a file made for "
+                             f"another model? this one's norms are like {examples})")
+        D = expected[norm]
+        if t.dtype != torch.float32 or tuple(t.shape) != (D,):
+            raise ValueError(f"{where}: tensor {name!r} is {str(t.dtype).replace('torch.', '')} "
+                             f"{list(t.shape)}; expected float32 [{D}] (the hidden size of {norm})")
+        bad = ~torch.isfinite(t) | (t <= 0)
+        if bad.any():
+            first = int(bad.nonzero()[0, 0])
+            raise ValueError(f"{where}: tensor {name!r} has {int(bad.sum())} values that are not finite and "
+                             f"positive (the first at channel {first}: {float(t[first])})")
+        out[norm] = t
+    missing = sorted(set(expected) - set(out))
+    if missing:
+        raise ValueError(f"{where}: no tensor {missing[0] + SUFFIX!r} for norm {missing[0]} ({len(missing)} of "
+                         f"{len(expected)} norms missing; a file made for another model?)")
+    return out

@@ -1,0 +1,99 @@
+"""QuantLinear: an nn.Linear whose forward runs the int8 GEMM (`ops.quant_matmul`) on int8 weights.
+
+As with a patched norm, only the module's instance `forward` changes: its float weight stays the
+registered Parameter (state_dict, save_pretrained and unpatching see the model as it was), and
+the int8 copy lives here. The switch (USE_PTO_RMS_NORM / config.set_enabled) turns the float
+path back on without unpatching.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import config, ops
+from ..ops import reference
+from ..ops.dispatch import Stats
+from . import activations
+
+_SLOT = "_pypto_gym_quant_linear"
+_STATE = config.STATE
+WEIGHT_CHUNK_ROWS = 4096  # quantise weights a slice at a time: lm_head's fp32 copy would be ~1.2 GB at once
+
+
+def quantize_weight(weight: torch.Tensor, smooth: torch.Tensor | None = None):
+    """Per-output-channel symmetric int8 of weight * smooth (smooth scales the input channels):
+    (w_q [N, K] int8, w_scale [N] fp32), the same per-row rule the activations use."""
+    N, K = weight.shape
+    w_q = torch.empty(N, K, dtype=torch.int8, device=weight.device)
+    w_scale = torch.empty(N, dtype=torch.float32, device=weight.device)
+    for i in range(0, N, WEIGHT_CHUNK_ROWS):
+        w = weight[i:i + WEIGHT_CHUNK_ROWS].detach().to(torch.float32)
+        w_q[i:i + WEIGHT_CHUNK_ROWS], w_scale[i:i + WEIGHT_CHUNK_ROWS] = reference.quantize_rows(
+            w if smooth is None else w * smooth, "int8")
+    return w_q, w_scale
+
+
+class QuantLinear:
+    """One int8 linear: where it is, whose int8 rows it reads (`source`, a QuantNorm, or None), counters."""
+
+    def __init__(self, path: str, module: torch.nn.Linear, source, backend: str, why: str):
+        self.path, self.module, self.source, self.why = path, module, source, why
+        self.backend = backend
+        smooth = None if source is None else source.smooth
+        self.inv_smooth = None if source is None or source.inv_smooth is None else source.inv_smooth.float()
+        self.w_q, self.w_scale = quantize_weight(module.weight, smooth)
+        self.stats = Stats()
+        self.handed_over = 0  # calls that took the norm's int8 rows as they were
+        self.quantized_here = 0  # calls that quantised their float input per row
+        self._attr = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
+        self._saved = module.__dict__.get(self._attr)
+
+    def original(self, x):
+        if self._saved is not None:
+            return self._saved(x)
+        return type(self.module).forward(self.module, x)
+
+    def install(self) -> None:
+        setattr(self.module, self._attr, functools.partial(quant_linear_forward, self.module))
+        self.module.__dict__[_SLOT] = self
+
+    def uninstall(self) -> None:
+        if self._saved is None:
+            self.module.__dict__.pop(self._attr, None)
+        else:
+            setattr(self.module, self._attr, self._saved)
+        self.module.__dict__.pop(_SLOT, None)
+
+    def row(self) -> dict:
+        m, stats = self.module, self.stats
+        return {"path": self.path, "in_features": m.in_features, "out_features": m.out_features, "became": "w8a8",
+                "input": self.why, "smoothed": self.inv_smooth is not None,
+                "backend": stats.backend or self.backend, "calls": stats.calls, "ran_on": dict(stats.ran),
+                "fallbacks": dict(stats.fallbacks), "handed_over": self.handed_over,
+                "quantized_here": self.quantized_here,
+                "float_weight_bytes": m.weight.numel() * m.weight.element_size(),
+                "int8_weight_bytes": self.w_q.numel() + 4 * self.w_scale.numel()}
+
+
+def quant_linear_forward(module, x):
+    """The forward of every QuantLinear: the norm's int8 rows if they were handed over, else x quantised here."""
+    ql = module.__dict__[_SLOT]
+    if not _STATE.enabled:
+        return ql.original(x)
+    got = None
+    if ql.source is not None and not torch.compiler.is_compiling():
+        got = activations.find(x, ql.source)
+    if got is None:
+        xf = x.to(torch.float32)
+        q, scale = reference.quantize_rows(xf if ql.inv_smooth is None else xf * ql.inv_smooth, "int8")
+        ql.quantized_here += 1
+    else:
+        q, scale = got
+        ql.handed_over += 1
+    return ops.quant_matmul(q, ql.w_q, scale, ql.w_scale, module.bias, out_dtype=x.dtype, backend=ql.backend,
+                            stats=ql.stats)
+
+
+def quant_linear_of(module) -> QuantLinear | None:
+    return module.__dict__.get(_SLOT)

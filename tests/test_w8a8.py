@@ -1,0 +1,337 @@
+"""W8A8: the int8 GEMM op, int8 linears fed by the fused norm + quant ops, calibration, unpatching.
+
+Goldens are independent of the code under test: integer products in int64, scales and rounding
+in float64. Accuracy figures and speed live in `bench w8a8` / `bench e2e --quant w8a8`; the
+accuracy assertion here is a coarse guard (cosine >= 0.99 on the embedded checkpoint).
+"""
+import copy
+import math
+
+import pytest
+import torch
+
+import pypto_gym
+from pypto_gym import ops, patch_model, unpatch_model
+from pypto_gym.capture import ShapeRecorder
+from pypto_gym.capture.cases import load_cases
+from pypto_gym.capture.runner import run_file
+from pypto_gym.cli import main as cli_main
+from pypto_gym.inference import generate, open_image
+from pypto_gym.models.qwen2_5_vl import DOCUMENT_IMAGE, SAMPLE_IMAGE
+from pypto_gym.ops import reference
+from pypto_gym.patching import PatchError
+from pypto_gym.quant import activations, calibration
+import pypto_gym.quant.linear as quant_linear
+
+
+CALIBRATE = ["calibrate", "--dtype", "bfloat16", "--max-new-tokens", "2", "--prompt", "Read the text."]
+
+
+def int8(shape, gen):
+    return torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
+
+
+def golden_matmul(x_q, w_q, x_scale, w_scale, bias):
+    """float64 from the exact int64 product."""
+    acc = x_q.reshape(-1, x_q.shape[-1]).long() @ w_q.long().T
+    y = acc.double() * x_scale.reshape(-1, 1).double() * w_scale.double()
+    if bias is not None:
+        y = y + bias.detach().double()
+    return acc, y.reshape(*x_q.shape[:-1], w_q.shape[0])
+
+
+# ---- the op ------------------------------------------------------------------------------------
+def test_reference_integer_product_is_exact_past_fp32_range():
+    gen = torch.Generator().manual_seed(0)
+    x_q, w_q = int8((3, 16384), gen), int8((5, 16384), gen)
+    x_q[0], w_q[0] = 127, torch.randint(100, 128, (16384,), generator=gen, dtype=torch.int8)  # sums near 2**28
+    ones_m, ones_n = torch.ones(3), torch.ones(5)
+    acc, _ = golden_matmul(x_q, w_q, ones_m, ones_n, None)
+    naive = x_q.float() @ w_q.float().T
+    assert not torch.equal(naive, acc.float())  # one fp32 accumulation over K loses bits that show after rounding
+    y = reference.quant_matmul(x_q, w_q, ones_m, ones_n, None, torch.float32)
+    assert torch.equal(y, acc.float())  # exactly the int32 result, rounded once to fp32
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_reference_scales_follow_the_formula(bias):
+    gen = torch.Generator().manual_seed(1)
+    x_q, w_q = int8((2, 7, 300), gen), int8((24, 300), gen)
+    x_scale, w_scale = torch.rand(2, 7, generator=gen) + 0.01, torch.rand(24, generator=gen) * 1e-3
+    b = torch.randn(24, generator=gen) if bias else None
+    _, gold = golden_matmul(x_q, w_q, x_scale, w_scale, b)
+    y = reference.quant_matmul(x_q, w_q, x_scale, w_scale, b, torch.float32)
+    assert y.shape == (2, 7, 24)
+    assert float(((y.double() - gold).abs() / gold.abs().clamp(min=1e-3)).max()) < 1e-5
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 2048, 64), (3, 3000, 40), (17, 16, 8), (64, 1280, 96)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_cpu_quant_matmul_is_bit_identical_to_reference(M, K, N, out_dtype):
+    gen = torch.Generator().manual_seed(M * K + N)
+    x_q, w_q = int8((M, K), gen), int8((N, K), gen)
+    x_scale, w_scale = torch.rand(M, generator=gen) + 0.01, torch.rand(N, generator=gen) * 1e-3
+    for bias in (None, torch.randn(N, generator=gen).to(out_dtype)):
+        stats = ops.Stats()
+        y = ops.quant_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype=out_dtype, backend="cpu", stats=stats)
+        assert stats.ran == {"cpu": 1}
+        assert torch.equal(y, reference.quant_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype))
+
+
+def test_quant_matmul_compiles_to_one_op():
+    gen = torch.Generator().manual_seed(2)
+    x_q, w_q = int8((4, 64), gen), int8((16, 64), gen)
+    xs, ws = torch.rand(4, generator=gen), torch.rand(16, generator=gen)
+    fn = torch.compile(lambda a, b, c, d: ops.quant_matmul(a, b, c, d, out_dtype=torch.float32, backend="cpu"),
+                       fullgraph=True)
+    assert torch.equal(fn(x_q, w_q, xs, ws), reference.quant_matmul(x_q, w_q, xs, ws, None, torch.float32))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(x_q=torch.zeros(2, 8)), "x_q: dtype float32"),
+    (dict(w_q=torch.zeros(4, 9, dtype=torch.int8)), r"w_q: shape \(4, 9\)"),
+    (dict(x_scale=torch.ones(3)), r"x_scale: shape \(3,\)"),
+    (dict(w_scale=torch.ones(4, dtype=torch.float16)), "w_scale: dtype float16"),
+    (dict(bias=torch.ones(5)), "bias: got float32 \\(5,\\)"),
+    (dict(out_dtype=torch.int8), "out_dtype"),
+])
+def test_quant_matmul_refusals_name_the_argument(change, match):
+    args = dict(x_q=torch.zeros(2, 8, dtype=torch.int8), w_q=torch.zeros(4, 8, dtype=torch.int8),
+                x_scale=torch.ones(2), w_scale=torch.ones(4), bias=None, out_dtype=torch.bfloat16)
+    args.update(change)
+    out_dtype = args.pop("out_dtype")
+    with pytest.raises((TypeError, ValueError), match=match):
+        ops.quant_matmul(*args.values(), out_dtype=out_dtype, backend="cpu")
+
+
+# ---- int8 linears in a model -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("calib") / "tiny.safetensors"
+    assert cli_main(CALIBRATE + ["--out", str(path)]) == 0
+    return path
+
+
+def _logits(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).logits.float()
+
+
+def _check_rows_quantised(q, scale, x, what):
+    """q/scale are a per-row symmetric int8 quantisation of x (float64 check)."""
+    xd = x.double().reshape(-1, x.shape[-1])
+    sd = scale.double().reshape(-1)
+    want = xd.abs().amax(-1) / 127
+    assert float(((sd - want).abs() / want.clamp(min=1e-30)).max()) < 1e-5, f"{what}: scales"
+    zero = want == 0  # an all-zero row (e.g. the pad token's embedding): scale 0, codes 0
+    assert not q.reshape(xd.shape)[zero].any(), f"{what}: codes of a zero row"
+    err = (q.reshape(xd.shape).double() - xd / sd.unsqueeze(-1))[~zero].abs()
+    assert float(err.max()) <= 0.5 + 1e-3, f"{what}: codes are not the rounded rows"
+
+
+@pytest.mark.parametrize("smoothed", [False, True], ids=["no smoothing", "smoothed"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_every_int8_linear_does_the_int8_math(tiny_loaded, sample_inputs, calib_file, monkeypatch, smoothed,
+                                              backend):
+    model = copy.deepcopy(tiny_loaded[0]).float()  # fp32 outputs: the 1e-5 check is not hidden by a bf16 cast
+    report = patch_model(model, backend=backend, quant="w8a8", calibration=calib_file if smoothed else None)
+    seen = {}
+    real = quant_linear.ops.quant_matmul
+
+    def spy(x_q, w_q, x_scale, w_scale, bias, *, out_dtype, backend, stats):
+        y = real(x_q, w_q, x_scale, w_scale, bias, out_dtype=out_dtype, backend=backend, stats=stats)
+        seen.setdefault(id(w_q), (x_q, x_scale, bias, y))
+        return y
+
+    monkeypatch.setattr(quant_linear.ops, "quant_matmul", spy)
+    inputs_seen = {}
+    qls = report._state.quant.linears
+    handles = [ql.module.register_forward_pre_hook(lambda m, a, ql=ql: inputs_seen.setdefault(ql.path, a[0]))
+               for ql in qls]
+    _logits(model, sample_inputs)
+    for h in handles:
+        h.remove()
+    assert len(qls) == 34
+    for ql in qls:
+        x_q, x_scale, bias, y = seen[id(ql.w_q)]
+        x = inputs_seen[ql.path].float()
+        inv = torch.ones(x.shape[-1]) if ql.inv_smooth is None else ql.inv_smooth
+        assert (ql.inv_smooth is not None) == (smoothed and ql.source is not None)
+        _check_rows_quantised(x_q, x_scale, x * inv, f"{ql.path} activations")
+        w = ql.module.weight.detach().double()
+        s = torch.ones(w.shape[1]) if ql.source is None or ql.source.smooth is None else ql.source.smooth
+        _check_rows_quantised(ql.w_q, ql.w_scale, w * s.double(), f"{ql.path} weights")
+        _, gold = golden_matmul(x_q, ql.w_q, x_scale, ql.w_scale, bias)
+        rel = (y.detach().double() - gold).abs() / gold.abs().clamp(min=1e-3)
+        assert float(rel.max()) < 1e-5, ql.path
+
+
+def test_norm_fed_linears_take_the_norms_int8_rows_in_generate(tiny_loaded):
+    model = copy.deepcopy(tiny_loaded[0])
+    report = patch_model(model, backend="cpu", quant="w8a8")
+    processor = tiny_loaded[1]
+    generate(model, processor, ["Read the text in the image."], [open_image(SAMPLE_IMAGE)], 4)  # inference_mode
+    rows = {r["path"]: r for r in report.to_json()["w8a8"]["linears"] if r["became"] == "w8a8"}
+    assert rows["lm_head"]["handed_over"] == rows["lm_head"]["calls"] == 4  # a slice of the last position
+    for path, r in rows.items():
+        if "merger" in path:
+            assert r["quantized_here"] == r["calls"] >= 1 and r["handed_over"] == 0  # 4 rows regrouped into one
+        else:
+            assert r["handed_over"] == r["calls"] >= 1 and r["quantized_here"] == 0, path
+    summary = report.to_json()["summary"]
+    assert summary["fallbacks"] == {} and set(summary["ran_on"]) == {"cpu"}
+
+
+def test_handover_covers_whole_row_views_only():
+    owner, other = object(), object()
+    y = torch.randn(2, 5, 8)
+    q, scale = reference.quantize_rows(y.float(), "int8")
+    activations.issue(y, q, scale, owner)
+    assert activations.find(y, other) is None
+    got_q, got_s = activations.find(y[:, -1:, :], owner)
+    assert torch.equal(got_q, q[:, -1:, :]) and torch.equal(got_s, scale[:, -1:])
+    got_q, got_s = activations.find(y[1], owner)
+    assert torch.equal(got_q, q[1]) and torch.equal(got_s, scale[1])
+    assert activations.find(y[..., :4], owner) is None  # part of each row: not the same rows
+    assert activations.find(y.transpose(0, 1), owner) is not None  # rows permuted: still whole rows
+    assert torch.equal(activations.find(y.transpose(0, 1), owner)[0], q.transpose(0, 1))
+    y.add_(1)  # modified in place after it was issued
+    assert activations.find(y, owner) is None
+
+
+def test_fused_layers_run_the_fused_add_quant_op(tiny_loaded, sample_inputs, monkeypatch):
+    fused = copy.deepcopy(tiny_loaded[0])
+    unfused = copy.deepcopy(tiny_loaded[0])
+    report = patch_model(fused, backend="cpu", quant="w8a8")
+    patch_model(unfused, backend="cpu", quant="w8a8", fuse_residual=False)
+    calls = []
+    real = ops.add_rms_norm_dynamic_quant
+    monkeypatch.setattr(ops, "add_rms_norm_dynamic_quant", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = _logits(fused, sample_inputs)
+    assert len(calls) == report.to_json()["summary"]["fused_layers"] == 8
+    assert torch.equal(got, _logits(unfused, sample_inputs))  # the add inside the op is the same bf16 add
+
+
+def test_w8a8_logits_close_to_bf16_on_the_embedded_checkpoint(tiny_loaded, sample_inputs, calib_file):
+    model = copy.deepcopy(tiny_loaded[0])
+    ref = _logits(model, sample_inputs)
+    for calib in (None, calib_file):
+        with pypto_gym.patched(model, backend="cpu", quant="w8a8", calibration=calib):
+            got = _logits(model, sample_inputs)
+        cos = torch.nn.functional.cosine_similarity(ref.flatten(1), got.flatten(1)).min()
+        assert float(cos) >= 0.99, calib
+
+
+def test_unpatch_restores_the_float_model_bit_exactly(tiny_loaded, sample_inputs, calib_file):
+    model = copy.deepcopy(tiny_loaded[0])
+    before = _logits(model, sample_inputs)
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    patch_model(model, backend="cpu", quant="w8a8", calibration=calib_file)
+    assert not torch.equal(_logits(model, sample_inputs), before)
+    with pypto_gym.config.scoped(enabled=False):  # the switch: the float path, without unpatching
+        assert torch.equal(_logits(model, sample_inputs), before)
+    unpatch_model(model)
+    assert torch.equal(_logits(model, sample_inputs), before)
+    assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
+    assert not any("_pypto_gym" in k for m in model.modules() for k in m.__dict__)
+
+
+def test_patch_options_are_checked(tiny_loaded, calib_file):
+    model = copy.deepcopy(tiny_loaded[0])
+    with pytest.raises(ValueError, match="calibration: given without quant"):
+        patch_model(model, calibration=calib_file)
+    with pytest.raises(ValueError, match="quant: got 'w4a4'"):
+        patch_model(model, quant="w4a4")
+    patch_model(model, backend="cpu", quant="w8a8")
+    with pytest.raises(PatchError, match="quant='w8a8'"):
+        patch_model(model, backend="cpu")
+
+
+# ---- calibration -------------------------------------------------------------------------------
+def test_calibration_is_deterministic_and_follows_the_smoothquant_formula(tiny_loaded, calib_file, tmp_path):
+    again = tmp_path / "again.safetensors"
+    assert cli_main(CALIBRATE + ["--out", str(again)]) == 0
+    assert again.read_bytes() == calib_file.read_bytes()
+    model = tiny_loaded[0]
+    expected = {p: m.weight.shape[0] for p, m in model.named_modules() if p.endswith(("norm", "norm1", "norm2",
+                                                                                       "layernorm"))}
+    scales = calibration.load(calib_file, expected)
+    # the formula, from the absmax a recorder collects on the same run
+    with ShapeRecorder(model, absmax=True) as rec:  # the CLI's default images
+        for image in (SAMPLE_IMAGE, DOCUMENT_IMAGE):
+            generate(model, tiny_loaded[1], ["Read the text."], [open_image(image)], 2)
+    path = "model.language_model.layers.1.input_layernorm"
+    attn = model.get_submodule("model.language_model.layers.1.self_attn")
+    wmax = torch.stack([getattr(attn, n).weight.detach().abs().amax(0).float() for n in ("q_proj", "k_proj", "v_proj")]).amax(0)
+    want = rec.absmax[path].double().sqrt() / wmax.double().sqrt()
+    assert float(((scales[path].double() - want).abs() / want).max()) < 1e-5
+    other = calibration.smooth_scales(model, rec.absmax, 0.8)[path]
+    want = rec.absmax[path].double() ** 0.8 / wmax.double() ** 0.2
+    assert float(((other.double() - want).abs() / want).max()) < 1e-5
+    assert set(scales) == set(expected) - {"model.visual.merger.ln_q"}  # ln_q's linear reads regrouped rows
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("nan", r"tensor 'model.language_model.norm.smooth_scale' has 1 values that are not finite and positive"),
+    ("zero", r"'model.language_model.norm.smooth_scale' has 1 values that are not finite and positive"),
+    ("wrong_d", r"tensor 'model.language_model.norm.smooth_scale' is float32 \[64\]; expected float32 \[128\]"),
+    ("extra", r"tensor 'model.other.norm.smooth_scale' names no quantised norm of this model"),
+    ("missing", r"no tensor 'model.language_model.norm.smooth_scale' for norm"),
+    ("fp16", r"'model.language_model.norm.smooth_scale' is float16 \[128\]"),
+    ("not_safetensors", "not a safetensors file"),
+    ("format", "metadata format None"),
+])
+def test_bad_calibration_files_are_refused_naming_the_tensor(tiny_loaded, calib_file, tmp_path, damage, match):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(calib_file)
+    key = "model.language_model.norm.smooth_scale"
+    meta = {calibration.META_KEY: '{"format": "%s"}' % calibration.FORMAT}
+    if damage == "nan":
+        tensors[key][3] = math.nan
+    elif damage == "zero":
+        tensors[key][5] = 0.0
+    elif damage == "wrong_d":
+        tensors[key] = tensors[key][:64].clone()
+    elif damage == "extra":
+        tensors["model.other.norm.smooth_scale"] = torch.ones(128)
+    elif damage == "missing":
+        del tensors[key]
+    elif damage == "fp16":
+        tensors[key] = tensors[key].half()
+    elif damage == "format":
+        meta = {"something": "else"}
+    bad = tmp_path / "bad.safetensors"
+    if damage == "not_safetensors":
+        bad.write_text("this is not a calibration file")
+    else:
+        save_file(tensors, bad, metadata=meta)
+    model = copy.deepcopy(tiny_loaded[0])
+    with pytest.raises(ValueError, match=match):
+        patch_model(model, backend="cpu", quant="w8a8", calibration=bad)
+    assert not any("_pypto_gym" in k for m in model.modules() for k in m.__dict__)  # nothing left half-patched
+
+
+def test_missing_calibration_file_is_a_one_line_cli_error(tmp_path, capsys):
+    assert cli_main(["infer", "--use_pto", "--quant", "w8a8", "--calibration", str(tmp_path / "none.st")]) == 2
+    assert "--calibration: no file at" in capsys.readouterr().err
+    assert cli_main(["infer", "--quant", "w8a8"]) == 2
+    assert "--quant: needs patching on" in capsys.readouterr().err
+
+
+# ---- capture -----------------------------------------------------------------------------------
+def test_capture_in_w8a8_mode_records_quant_cases_that_pass_on_cpu(tiny_loaded, calib_file, tmp_path):
+    model = copy.deepcopy(tiny_loaded[0])
+    patch_model(model, backend="cpu", quant="w8a8", calibration=calib_file)
+    with ShapeRecorder(model) as rec:
+        generate(model, tiny_loaded[1], ["Read the text in the image."], [open_image(SAMPLE_IMAGE)], 2)
+    out = tmp_path / "w8a8.json"
+    rec.save(out, model_name="tiny w8a8")
+    cases = load_cases(out)
+    ops_seen = {c["op"] for c in cases}
+    assert ops_seen == {"rms_norm", "rms_norm_dynamic_quant", "add_rms_norm_dynamic_quant"}  # rms_norm: ln_q
+    quant = [c for c in cases if c["op"].endswith("quant")]
+    assert all("smooth_scale1" in c["inputs"] and c["dst_type"] == "int8" for c in quant)
+    assert {c["phase"] for c in quant} == {"prefill", "decode"}
+    rows = run_file(out, "cpu", 1)
+    assert rows and all(r["passed"] and r["backend"] == "cpu" for r in rows), rows
