@@ -282,7 +282,7 @@ def cmd_bench_e2e(args) -> int:
             raise UserError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; expected >= 1")
     json_path, png_path = _bench_outputs(args, "e2e")
     return e2e_bench.run(args.num_layers, args.vision_depth, args.repeats, args.max_new_tokens, args.image,
-                         args.quick, json_path, png_path, args.dtype)
+                         args.quick, json_path, png_path, args.dtype, args.quant)
 
 
 def cmd_bench_cases(args) -> int:
@@ -301,6 +301,20 @@ def cmd_bench_pypto(args) -> int:
 
     json_path, png_path = _bench_outputs(args, "pypto")
     return cases_bench.run_pypto(args.file, json_path, png_path)
+
+
+def cmd_bench_gemm(args) -> int:
+    from .bench import w8a8_bench
+
+    json_path, png_path = _bench_outputs(args, "gemm")
+    return w8a8_bench.run_gemm(args.rounds, json_path, png_path)
+
+
+def cmd_bench_w8a8(args) -> int:
+    from .bench import w8a8_bench
+
+    json_path, png_path = _bench_outputs(args, "w8a8")
+    return w8a8_bench.run_accuracy(args.quick, json_path, png_path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -349,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quiet", action="store_true", help="no progress line per case on stderr")
     r.set_defaults(func=cmd_cases_run)
 
-    p = sub.add_parser("bench", help="benchmarks: ops, cases, pypto, e2e (ratios, JSON, PNG)")
+    p = sub.add_parser("bench", help="benchmarks: ops, cases, pypto, e2e, gemm, w8a8 (ratios, JSON, PNG)")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
     b = bench_sub.add_parser("ops", help="each op vs HF eager, the torch reference and clone()")
     b.add_argument("--dtypes", default="bfloat16", help="comma list of bfloat16,float16,float32")
@@ -371,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="2 layers, 2 blocks, 2 rounds, 8 tokens")
     b.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="model dtype (default: bfloat16 on a CPU with AVX512-BF16 or AMX, else float32)")
+    b.add_argument("--quant", choices=["w8a8"], help="add a W8A8 variant (patched cpu, int8 linears)")
     b.add_argument("--json", help=f"default: {BENCH_OUT}/e2e.json")
     b.add_argument("--png", help=f"default: {BENCH_OUT}/e2e.png")
     b.set_defaults(func=cmd_bench_e2e)
@@ -380,6 +395,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=9)
     b.add_argument("--json", default=None)
     b.set_defaults(func=cmd_bench_cases)
+    b = bench_sub.add_parser("gemm", help="int8 GEMM candidates vs bf16 F.linear (decode and prefill shapes)")
+    b.add_argument("--rounds", type=int, default=9)
+    b.add_argument("--json", help=f"default: {BENCH_OUT}/gemm.json")
+    b.add_argument("--png", help=f"default: {BENCH_OUT}/gemm.png")
+    b.set_defaults(func=cmd_bench_gemm)
+    b = bench_sub.add_parser("w8a8", help="W8A8 accuracy vs the float model, with and without smoothing")
+    b.add_argument("--quick", action="store_true", help="one image, one GutenOCR layer")
+    b.add_argument("--json", help=f"default: {BENCH_OUT}/w8a8.json")
+    b.add_argument("--png", help=f"default: {BENCH_OUT}/w8a8.png")
+    b.set_defaults(func=cmd_bench_w8a8)
     b = bench_sub.add_parser("pypto", help="PyPTO's estimated 910B time per case vs the HBM bound")
     b.add_argument("file")
     b.add_argument("--json", help=f"default: {BENCH_OUT}/pypto.json")

@@ -34,13 +34,16 @@ def test_bench_cases_times_every_case(tmp_path):
 def test_bench_e2e_runs_every_variant(tmp_path):
     rc = main(["bench", "e2e", "--num-layers", "1", "--vision-depth", "1", "--repeats", "1", "--max-new-tokens", "2",
                "--image", str(SAMPLE_IMAGE), "--json", str(tmp_path / "e.json"), "--png", str(tmp_path / "e.png"),
-               "--dtype", "float32"])
+               "--dtype", "float32", "--quant", "w8a8"])
     data = json.loads((tmp_path / "e.json").read_text())
     assert rc in (0, 1)
-    assert set(data["medians"]) == {"unpatched", "patched torch", "patched cpu", "patched cpu, no fusion"}
+    assert set(data["medians"]) == {"unpatched", "patched torch", "patched cpu", "patched cpu, no fusion",
+                                    "patched cpu, W8A8"}
     for m in data["medians"].values():
         assert m["prefill_s"] > 0 and m["vision_s"] > 0 and m["new_tokens"] == 2
-    assert len(data["goals"]) == 2 and data["dtype"] == "float32"
+    assert len(data["goals"]) == 3 and data["dtype"] == "float32"
+    w = data["weights"]
+    assert w["float_model_bytes"] > 0 and w["w8a8_deployed_bytes"] > 0
 
 
 def test_bench_refuses_bad_arguments(capsys):

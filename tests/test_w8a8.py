@@ -182,6 +182,18 @@ def test_norm_fed_linears_take_the_norms_int8_rows_in_generate(tiny_loaded):
     assert summary["fallbacks"] == {} and set(summary["ran_on"]) == {"cpu"}
 
 
+def test_weight_bytes_count_a_tied_lm_head_as_kept(tiny_loaded):
+    model = copy.deepcopy(tiny_loaded[0])
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # the embedded checkpoint ties them
+    q = patch_model(model, backend="cpu", quant="w8a8").to_json()["w8a8"]
+    rows = {r["path"]: r for r in q["linears"] if r["became"] == "w8a8"}
+    assert rows["lm_head"]["float_weight_shared"] and not any(r["float_weight_shared"] for p, r in rows.items()
+                                                              if p != "lm_head")
+    assert q["summary"]["releasable_float_bytes"] == sum(r["float_weight_bytes"] for p, r in rows.items()
+                                                         if p != "lm_head")
+    assert rows["lm_head"]["int8_weight_bytes"] == model.lm_head.weight.numel() + 4 * model.lm_head.out_features
+
+
 def test_handover_covers_whole_row_views_only():
     owner, other = object(), object()
     y = torch.randn(2, 5, 8)

@@ -5,6 +5,8 @@ One random-weight bf16 model (no download) runs generate on a document-sized ima
 same model in turn and measured round-robin (A B C D A B C D ...), so machine noise hits all of
 them alike. Per variant: patch time, vision-encoder time, prefill latency (vision included),
 decode tokens/s, and the process's peak RSS during the run (reset before each run on Linux).
+With `--quant w8a8` a W8A8 variant joins (goal: decode >= 1.2x the unpatched float model), and the
+weight bytes a W8A8 deployment needs are reported next to the float model's.
 """
 from __future__ import annotations
 
@@ -66,8 +68,11 @@ class _VisionClock:
             h.remove()
 
 
+W8A8_VARIANT = "patched cpu, W8A8"
+
+
 def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quick=False, json_path=None,
-        png_path=None, dtype=None) -> int:
+        png_path=None, dtype=None, quant=None) -> int:
     from ..inference import default_dtype, generate, open_image
 
     if quick:
@@ -85,12 +90,20 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
           f"{repeats} interleaved rounds; {torch.get_num_threads()} threads", flush=True)
     prompt = "Read the text in the image."
     generate(model, processor, [prompt], [img], 2)  # warm-up: allocator, kernel build/load
-    samples = {name: [] for name in VARIANTS}
+    variants = dict(VARIANTS)
+    if quant:
+        variants[W8A8_VARIANT] = {"backend": "cpu", "quant": quant}
+    samples = {name: [] for name in variants}
+    weights = {"float_model_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     for r in range(repeats):
-        for name, opts in VARIANTS.items():
+        for name, opts in variants.items():
             tp = time.perf_counter()
             if opts:
-                patch_model(model, **opts)
+                report = patch_model(model, **opts)
+                if opts.get("quant"):
+                    q = report.to_json()["w8a8"]["summary"]
+                    weights["w8a8_deployed_bytes"] = (weights["float_model_bytes"] - q["releasable_float_bytes"]
+                                                      + q["int8_weight_bytes"])
             patch_s = time.perf_counter() - tp
             clock = _VisionClock(model)
             _reset_peak_rss()
@@ -101,17 +114,18 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
                 unpatch_model(model)
             samples[name].append({"patch_s": patch_s, "vision_s": clock.total, "prefill_s": prefill_s,
                                   "decode_tokens_per_s": tps, "peak_rss_mb": _peak_rss_mb(), "new_tokens": n_new})
-            print(f"  round {r + 1}/{repeats} {name:<24} prefill {prefill_s * 1e3:8.1f} ms  "
+            print(f"  round {r + 1}/{repeats} {name:<26} prefill {prefill_s * 1e3:8.1f} ms  "
                   f"decode {tps:6.2f} tok/s", flush=True)
     med = {name: {k: statistics.median(s[k] for s in v) for k in v[0]} for name, v in samples.items()}
+    columns_width = max(24, *map(len, med))
     base = med["unpatched"]
-    columns = (f"{'variant':<24} {'patch ms':>9} {'vision ms':>10} {'prefill ms':>11} {'vs unpatched':>13} "
+    columns = (f"{'variant':<{columns_width}} {'patch ms':>9} {'vision ms':>10} {'prefill ms':>11} {'vs unpatched':>13} "
                f"{'decode tok/s':>13} {'vs unpatched':>13} {'peak RSS MB':>12}")
     print("\n" + columns + "\n" + "-" * len(columns))
     for name, m in med.items():
         m["prefill_speedup"] = base["prefill_s"] / m["prefill_s"]
         m["decode_speedup"] = m["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-        print(f"{name:<24} {m['patch_s'] * 1e3:>9.1f} {m['vision_s'] * 1e3:>10.1f} {m['prefill_s'] * 1e3:>11.1f} "
+        print(f"{name:<{columns_width}} {m['patch_s'] * 1e3:>9.1f} {m['vision_s'] * 1e3:>10.1f} {m['prefill_s'] * 1e3:>11.1f} "
               f"{m['prefill_speedup']:>12.3f}x {m['decode_tokens_per_s']:>13.2f} {m['decode_speedup']:>12.3f}x "
               f"{m['peak_rss_mb']:>12.0f}")
     cpu = med["patched cpu"]
@@ -119,8 +133,15 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
                                                       f"(goal: no slower)"),
              goal_line(cpu["decode_speedup"] >= 1.0, f"patched cpu decode {cpu['decode_speedup']:.3f}x unpatched "
                                                      f"(goal: no slower)")]
+    if quant:
+        w = med[W8A8_VARIANT]
+        goals.append(goal_line(w["decode_speedup"] >= 1.2, f"W8A8 decode {w['decode_speedup']:.3f}x the unpatched "
+                                                           f"{dtype} model (goal: >= 1.2x)"))
+        print(f"\nweights: {dtype} model {weights['float_model_bytes'] / 2 ** 20:.0f} MB; a W8A8 deployment needs "
+              f"{weights['w8a8_deployed_bytes'] / 2 ** 20:.0f} MB (int8 linears + the rest in {dtype}, a tied "
+              f"embedding kept); the W8A8 variant's RSS above also holds the float copies kept for unpatch_model")
     print("\n" + "\n".join(goals))
-    result = {"bench": "e2e", "model": "gutenocr_3b dims", "dtype": dtype, "num_layers": num_layers,
+    result = {"bench": "e2e", "model": "gutenocr_3b dims", "dtype": dtype, "num_layers": num_layers, "weights": weights,
               "vision_depth": vision_depth, "machine": hardware.capability(),
               "image": list(img.size), "new_tokens": new_tokens, "repeats": repeats, "load_s": load_s,
               "threads": torch.get_num_threads(), "medians": med, "samples": samples, "goals": goals}

@@ -79,7 +79,8 @@ def _w8a8_lines(q: dict) -> list[str]:
     lines = [f"W8A8: {s['int8']}/{s['linears']} linears int8 ({s['quant_norms']} norms emit int8 rows), {smoothing}; "
              f"int8 rows handed over x{s['handed_over']}, quantised in the linear x{s['quantized_here']}, "
              f"fallbacks={s['fallbacks']}; weights of the int8 linears {s['float_weight_bytes'] / 2 ** 20:.1f} MB "
-             f"float -> {s['int8_weight_bytes'] / 2 ** 20:.1f} MB int8 (float copies kept for unpatch_model)"]
+             f"float -> {s['int8_weight_bytes'] / 2 ** 20:.1f} MB int8 (float copies kept for unpatch_model; "
+             f"{s['releasable_float_bytes'] / 2 ** 20:.1f} MB of them not shared with other modules)"]
     for r in q["skipped_norms"]:
         lines.append(f"norm {r['path']} stays float: {r['reason']}")
     w = max([len(r["path"]) for r in q["linears"]] + [20])

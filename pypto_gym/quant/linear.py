@@ -44,6 +44,7 @@ class QuantLinear:
         self.inv_smooth = None if source is None or source.inv_smooth is None else source.inv_smooth.float()
         self.w_q, self.w_scale = quantize_weight(module.weight, smooth)
         self.stats = Stats()
+        self.float_weight_shared = False  # the float weight is also another module's (tied embeddings)
         self.handed_over = 0  # calls that took the norm's int8 rows as they were
         self.quantized_here = 0  # calls that quantised their float input per row
         self._attr = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
@@ -73,6 +74,7 @@ class QuantLinear:
                 "fallbacks": dict(stats.fallbacks), "handed_over": self.handed_over,
                 "quantized_here": self.quantized_here,
                 "float_weight_bytes": m.weight.numel() * m.weight.element_size(),
+                "float_weight_shared": self.float_weight_shared,
                 "int8_weight_bytes": self.w_q.numel() + 4 * self.w_scale.numel()}
 
 

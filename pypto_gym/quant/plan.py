@@ -72,6 +72,8 @@ class QuantPlan:
                             "quantized_here": sum(r["quantized_here"] for r in q),
                             "fallbacks": sum(sum(r["fallbacks"].values()) for r in q),
                             "float_weight_bytes": sum(r["float_weight_bytes"] for r in q),
+                            "releasable_float_bytes": sum(r["float_weight_bytes"] for r in q
+                                                          if not r["float_weight_shared"]),
                             "int8_weight_bytes": sum(r["int8_weight_bytes"] for r in q)},
                 "skipped_norms": [dict(r) for r in self.skipped_norms], "linears": rows}
 
@@ -105,6 +107,10 @@ def install(model, sites, backend: str, calibration_path=None) -> QuantPlan:
     except BaseException:
         plan.uninstall(sites)
         raise
+    still_needed = {p.data_ptr() for m in model.modules() if quant_linear_of(m) is None
+                    for p in m.parameters(recurse=False)}
+    for ql in plan.linears:  # a tied weight (lm_head = embed_tokens) stays in memory for its other user
+        ql.float_weight_shared = ql.module.weight.data_ptr() in still_needed
     for path, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and quant_linear_of(module) is None:
             plan.float_linears.append({
@@ -112,7 +118,7 @@ def install(model, sites, backend: str, calibration_path=None) -> QuantPlan:
                 "became": str(module.weight.dtype).replace("torch.", ""), "input": "not a norm's output rows",
                 "smoothed": False, "backend": None, "calls": 0, "ran_on": {}, "fallbacks": {}, "handed_over": 0,
                 "quantized_here": 0, "float_weight_bytes": module.weight.numel() * module.weight.element_size(),
-                "int8_weight_bytes": 0})
+                "float_weight_shared": False, "int8_weight_bytes": 0})
     return plan
 
 

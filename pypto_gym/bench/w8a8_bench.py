@@ -1,0 +1,237 @@
+"""`bench gemm` and `bench w8a8`: which int8 GEMM the cpu backend uses, and what W8A8 costs in accuracy.
+
+gemm: every int8 GEMM torch ships for CPU, against bf16 `F.linear`, at decode (M=1) and prefill
+(M=512) for K=2048 and N in {2048, 11008} (GutenOCR-3B's q/o and gate/up), interleaved.
+Candidates: `torch._int_mm` (int8 x int8 -> int32, what the cpu backend uses, timed with its
+epilogue as `ops.quant_matmul`), oneDNN's `onednn.qlinear_pointwise` (inductor's int8 linear;
+it wants uint8 activations with a zero point, so our int8 rows are shifted by 128 first, which is
+timed), fbgemm's `quantized.linear_dynamic` (quantises fp32 input itself, per tensor: not the
+per-row math of this toolkit) and `_weight_int8pack_mm` (int8 weights, bf16 activations: W8A16).
+
+w8a8: logits of the same model in its float dtype vs W8A8 without and with SmoothQuant
+smoothing, on the embedded checkpoint and at GutenOCR-3B's dimensions (random weights), each
+also as an "outlier" variant whose norms have a few gamma channels scaled 30-100x (as real LLMs'
+activations have). Calibration and evaluation use different prompts.
+"""
+from __future__ import annotations
+
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .. import hardware, ops
+from .timing import goal_line, header, interleaved_medians, save_plot, write_json
+
+GEMM_SHAPES = [(1, 2048, 2048), (1, 2048, 11008), (512, 2048, 2048), (512, 2048, 11008)]
+
+
+def _gemm_candidates(M, K, N):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, generator=gen)
+    w = torch.randn(N, K, generator=gen) * 0.02
+    xb, wb = x.bfloat16(), w.bfloat16()
+    x_q, x_s = ops.reference.quantize_rows(x, "int8")
+    w_q, w_s = ops.reference.quantize_rows(w, "int8")
+    fns = {"bf16 F.linear": lambda: torch.nn.functional.linear(xb, wb),
+           "fp32 F.linear": lambda: torch.nn.functional.linear(x, w),
+           "_int_mm + epilogue (cpu backend)": lambda: ops.quant_matmul(x_q, w_q, x_s, w_s, out_dtype=torch.bfloat16,
+                                                                        backend="cpu")}
+    notes = {}
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(w_q, [M, K])
+        zp = torch.zeros(N, dtype=torch.int64)
+
+        def onednn():
+            xu = (x_q.to(torch.int16) + 128).to(torch.uint8)
+            y = torch.ops.onednn.qlinear_pointwise.default(xu, 1.0, 128, packed, w_s, zp, None, 1.0, 0,
+                                                           torch.float32, "none", [], "")
+            return (y * x_s.unsqueeze(-1)).bfloat16()
+        onednn()
+        fns["onednn qlinear (u8 shift)"] = onednn
+    except (RuntimeError, AttributeError) as e:
+        notes["onednn qlinear (u8 shift)"] = str(e).splitlines()[0][:100]
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.backends.quantized.engine = "fbgemm"
+            qw = torch.quantize_per_channel(w, w_s, torch.zeros(N, dtype=torch.long), 0, torch.qint8)
+            prepacked = torch.ops.quantized.linear_prepack(qw, None)
+        fns["fbgemm linear_dynamic (per tensor)"] = lambda: torch.ops.quantized.linear_dynamic(x, prepacked, True)
+    except (RuntimeError, AttributeError) as e:
+        notes["fbgemm linear_dynamic (per tensor)"] = str(e).splitlines()[0][:100]
+    wb_scale = w_s.bfloat16()
+    fns["_weight_int8pack_mm (W8A16)"] = lambda: torch._weight_int8pack_mm(xb, w_q, wb_scale)
+    return fns, notes
+
+
+def run_gemm(rounds: int, json_path, png_path) -> int:
+    print(header("bench gemm"))
+    results = []
+    for M, K, N in GEMM_SHAPES:
+        fns, notes = _gemm_candidates(M, K, N)
+        med = interleaved_medians(fns, rounds=rounds, min_seconds=0.005)
+        base = med["bf16 F.linear"]
+        print(f"\nM={M} K={K} N={N}")
+        for name, s in sorted(med.items(), key=lambda kv: kv[1]):
+            print(f"  {name:<36} {s * 1e6:10.1f} us   {base / s:6.2f}x bf16 F.linear")
+        for name, why in notes.items():
+            print(f"  {name:<36} not run: {why}")
+        results.append({"M": M, "K": K, "N": N, "us": {k: v * 1e6 for k, v in med.items()}, "not_run": notes})
+    ours = [r["us"]["bf16 F.linear"] / r["us"]["_int_mm + epilogue (cpu backend)"] for r in results]
+    goals = [goal_line(min(ours) >= 1.0, f"cpu backend's int8 GEMM vs bf16 F.linear: {min(ours):.2f}x to "
+                                         f"{max(ours):.2f}x (goal: no slower at any shape)")]
+    print("\n" + "\n".join(goals))
+    write_json(json_path, {"bench": "gemm", "machine": hardware.capability(), "threads": torch.get_num_threads(),
+                           "rounds": rounds, "results": results, "goals": goals})
+    print(f"JSON written to {json_path}")
+    print(save_plot(png_path, lambda plt: _plot_gemm(plt, results)))
+    return 0 if all(g.startswith("PASS") for g in goals) else 1
+
+
+def _plot_gemm(plt, results):
+    names = list(results[0]["us"])
+    fig, ax = plt.subplots(figsize=(11, 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.bar([j + i * width for j in range(len(results))],
+               [r["us"]["bf16 F.linear"] / r["us"].get(name, float("nan")) for r in results], width, label=name)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(results))])
+    ax.set_xticklabels([f"M={r['M']} K={r['K']} N={r['N']}" for r in results])
+    ax.set_ylabel("speed vs bf16 F.linear (x, higher is faster)")
+    ax.legend(fontsize=7)
+    ax.set_title(f"int8 GEMMs on {hardware.cpu_model()}")
+    return fig
+
+
+# ---- accuracy -----------------------------------------------------------------------------------
+EVAL_PROMPTS = ["What does the image say?", "Give the text of this picture.", "Summarise the page.",
+                "List the words you can see."]
+OUTLIER_FACTORS = (30.0, 50.0, 70.0, 100.0)
+SMOOTHING = (None, 0.5, 0.75)  # no smoothing, SmoothQuant's default alpha, a stronger migration
+KEEP_POSITIONS = 16  # logits compared at the last positions of each input (a full vocab per position is large)
+
+
+def inject_outliers(model) -> int:
+    """Scale 4 gamma channels of every norm that feeds linears by 30-100x (fixed channels); returns how many norms."""
+    from ..models.qwen2_5_vl import LINEARS_AFTER_NORM
+    from ..patching import discovery
+
+    n = 0
+    with torch.no_grad():
+        for cand in discovery.find_candidates(model):
+            if cand.is_rms and cand.kind in LINEARS_AFTER_NORM:
+                D = cand.module.weight.shape[0]
+                for j, f in zip((D // 7, D // 3, D // 2 + 1, D - 5), OUTLIER_FACTORS):
+                    cand.module.weight[j] *= f
+                n += 1
+    return n
+
+
+def _eval_logits(model, processor, inputs) -> list:
+    from ..inference import open_image
+
+    out = []
+    with torch.inference_mode():
+        for prompt, image in inputs:
+            batch = processor([prompt], [open_image(image)], model)
+            out.append(model(**batch, logits_to_keep=KEEP_POSITIONS).logits[0].float())
+    return out
+
+
+def compare(ref: list, got: list) -> dict:
+    cos = torch.cat([torch.nn.functional.cosine_similarity(r, g, dim=-1) for r, g in zip(ref, got)])
+    top1 = torch.cat([(r.argmax(-1) == g.argmax(-1)).float() for r, g in zip(ref, got)])
+    return {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()), "top1_agreement": float(top1.mean()),
+            "positions": int(cos.numel())}
+
+
+def run_accuracy(quick: bool, json_path, png_path) -> int:
+    from argparse import Namespace
+
+    from ..capture import ShapeRecorder
+    from ..cli import CALIBRATION_PROMPTS
+    from ..inference import default_dtype, generate, open_image
+    from ..models.qwen2_5_vl import (DOCUMENT_IMAGE, GUTENOCR_CONFIG, SAMPLE_IMAGE, TINY_DIR, Processor,
+                                     build_random_model, load_model_and_processor)
+    from ..patching import patched
+    from ..quant import calibration
+
+    print(header("bench w8a8"))
+    dtype = default_dtype("cpu")
+    images = [SAMPLE_IMAGE] if quick else [SAMPLE_IMAGE, DOCUMENT_IMAGE]
+    eval_inputs = [(p, im) for p in EVAL_PROMPTS for im in images]
+    calib_inputs = [(p, im) for p in CALIBRATION_PROMPTS[:2 if quick else 4] for im in images]
+    processor = Processor(TINY_DIR)
+    builders = {"embedded checkpoint": lambda: load_model_and_processor(TINY_DIR, dtype)[0]}
+    layers = 1 if quick else 2
+    builders[f"GutenOCR-3B dims ({layers} layers, {layers} blocks, random)"] = lambda: build_random_model(
+        GUTENOCR_CONFIG, layers, layers, dtype, token_ids=processor.token_ids())
+    rows = []
+    for model_name, build in builders.items():
+        for variant in ("plain", "outliers"):
+            model = build()
+            if variant == "outliers":
+                inject_outliers(model)
+            ref = _eval_logits(model, processor, eval_inputs)
+            with ShapeRecorder(model, absmax=True) as rec:
+                for prompt, image in calib_inputs:
+                    generate(model, processor, [prompt], [open_image(image)], 2)
+            names = [f"{p} | {Path(i).name}" for p, i in calib_inputs]
+            with tempfile.TemporaryDirectory() as tmp:
+                for alpha in SMOOTHING:
+                    calib = None
+                    if alpha is not None:
+                        calib = Path(tmp) / f"smooth_{alpha}.safetensors"
+                        scales = calibration.smooth_scales(model, rec.absmax, alpha)
+                        calibration.save(calib, scales, alpha, model.config.model_type, names)
+                    with patched(model, backend="cpu", quant="w8a8", calibration=calib):
+                        got = _eval_logits(model, processor, eval_inputs)
+                    row = {"model": model_name, "variant": variant, "smoothing": _label(alpha), "dtype": dtype,
+                           **compare(ref, got)}
+                    rows.append(row)
+                    print(f"{model_name:<46} {variant:<9} {row['smoothing']:<13} "
+                          f"cosine mean {row['cosine_mean']:.5f} min {row['cosine_min']:.5f} "
+                          f"top-1 {row['top1_agreement'] * 100:5.1f}% ({row['positions']} positions)", flush=True)
+    goals = []
+    for model_name in builders:
+        pick = {(r["variant"], r["smoothing"]): r for r in rows if r["model"] == model_name}
+        n = pick[("outliers", _label(None))]
+        for alpha in SMOOTHING[1:]:
+            s = pick[("outliers", _label(alpha))]
+            goals.append(goal_line(s["cosine_mean"] >= 0.99 and s["cosine_mean"] > n["cosine_mean"],
+                                   f"{model_name}, outliers, {_label(alpha)}: cosine {s['cosine_mean']:.4f} (goal >= "
+                                   f"0.99), without smoothing {n['cosine_mean']:.4f} (goal: smoothing better)"))
+    print("\n" + "\n".join(goals))
+    write_json(json_path, {"bench": "w8a8", "machine": hardware.capability(), "eval_inputs": len(eval_inputs),
+                           "calibration_inputs": len(calib_inputs), "keep_positions": KEEP_POSITIONS,
+                           "outlier_factors": OUTLIER_FACTORS, "rows": rows, "goals": goals})
+    print(f"JSON written to {json_path}")
+    print(save_plot(png_path, lambda plt: _plot_accuracy(plt, rows)))
+    return 0 if all(g.startswith("PASS") for g in goals) else 1
+
+
+def _label(alpha) -> str:
+    return "no smoothing" if alpha is None else f"alpha {alpha}"
+
+
+def _plot_accuracy(plt, rows):
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    labels = [f"{r['model'].split(' (')[0]}\n{r['variant']}, {r['smoothing']}" for r in rows]
+    palette = {_label(a): c for a, c in zip(SMOOTHING, ("tab:red", "tab:green", "tab:olive"))}
+    colors = [palette[r["smoothing"]] for r in rows]
+    axes[0].bar(range(len(rows)), [1 - r["cosine_mean"] for r in rows], color=colors)
+    axes[0].set_yscale("log")
+    axes[0].axhline(0.01, color="k", lw=0.8, ls="--")
+    axes[0].set_ylabel("1 - logits cosine (lower is better; dashed: goal)")
+    axes[1].bar(range(len(rows)), [r["top1_agreement"] * 100 for r in rows], color=colors)
+    axes[1].set_ylabel("top-1 agreement with the float model (%)")
+    for ax in axes:
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(labels, fontsize=6, rotation=60, ha="right")
+    fig.suptitle("W8A8 vs the float model: no smoothing (red), SmoothQuant alpha 0.5 (green) and 0.75 (olive)")
+    return fig
