@@ -117,7 +117,8 @@ def build_random_model(config_path=GUTENOCR_CONFIG, num_layers: int | None = Non
         model = Qwen2_5_VLForConditionalGeneration(config)
     finally:
         torch.set_default_dtype(prev)
-    return model.eval()
+    # the config's own torch_dtype (bfloat16) wins over the default for the text model: cast the rest
+    return model.to(torch_dtype).eval()
 
 
 def check_model_dir(path) -> Path:
