@@ -300,7 +300,7 @@ def cmd_bench_pypto(args) -> int:
     from .bench import cases_bench
 
     json_path, png_path = _bench_outputs(args, "pypto")
-    return cases_bench.run_pypto(args.file, json_path, png_path)
+    return cases_bench.run_pypto(args.file, json_path, png_path, tune=args.tune)
 
 
 def cmd_bench_gemm(args) -> int:
@@ -407,6 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench_w8a8)
     b = bench_sub.add_parser("pypto", help="PyPTO's estimated 910B time per case vs the HBM bound")
     b.add_argument("file")
+    b.add_argument("--tune", action="store_true", help="first tune the tiles per shape class of FILE (rewrites "
+                                                         "pypto_gym/ops/backends/pypto_tiling.json; about an hour)")
     b.add_argument("--json", help=f"default: {BENCH_OUT}/pypto.json")
     b.add_argument("--png", help=f"default: {BENCH_OUT}/pypto.png")
     b.set_defaults(func=cmd_bench_pypto)

@@ -57,6 +57,11 @@ def _tuned() -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def clear_tuned() -> None:
+    """Re-read pypto_tiling.json on the next call (after `bench pypto --tune` rewrote it)."""
+    _tuned.cache_clear()
+
+
 def tile_config(op: str, R: int, D: int) -> Tiles:
     """The tile configuration for one call. Columns: the reduce axis stays whole where one fp32 row
     fits the unified buffer (reference 000's advice), padded by PyPTO to 32-byte rows, so D need
@@ -103,10 +108,6 @@ class PyptoBackend(Backend):
         self._error = None
         self._poisoned = None
         self.last_run: RunInfo | None = None
-
-    @property
-    def last_estimated_us(self):
-        return self.last_run.estimated_us if self.last_run else None
 
     def unavailable_reason(self):
         if self._error is None:
