@@ -73,3 +73,12 @@ def test_loader_refuses_dir_without_weights(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         load_model_and_processor(tmp_path)
+
+
+def test_every_subpackage_is_installed_by_a_normal_install():
+    """pyproject lists packages explicitly (modeling/ is mapped in): a new subpackage must be listed too."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "pypto_gym").rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)
