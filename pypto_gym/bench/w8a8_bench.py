@@ -15,7 +15,6 @@ activations have). Calibration and evaluation use different prompts.
 """
 from __future__ import annotations
 
-import statistics
 import tempfile
 from pathlib import Path
 
@@ -151,8 +150,6 @@ def compare(ref: list, got: list) -> dict:
 
 
 def run_accuracy(quick: bool, json_path, png_path) -> int:
-    from argparse import Namespace
-
     from ..capture import ShapeRecorder
     from ..cli import CALIBRATION_PROMPTS
     from ..inference import default_dtype, generate, open_image

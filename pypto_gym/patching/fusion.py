@@ -25,7 +25,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
-import functools
 import inspect
 import textwrap
 
@@ -33,6 +32,7 @@ import torch
 
 from .. import ops
 from ..ops.dispatch import Stats
+from .swap import SwappedForward
 from .wrapper import add_norm, site_of
 
 _FUSED_NAME = "_pypto_gym_normed"
@@ -160,13 +160,14 @@ def _build(cls, norms):
     return namespace["_pypto_gym_make"](add_norm), fused, ""
 
 
-class FusedLayer:
+class FusedLayer(SwappedForward):
     """A layer whose forward was swapped for the fused rewrite (restored exactly by uninstall)."""
 
+    SLOT = _LAYER_SLOT
+
     def __init__(self, path: str, module: torch.nn.Module, norms: frozenset, fused: list):
-        self.path, self.module, self.norms, self.fused = path, module, norms, fused
-        self._attr = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
-        self._saved = module.__dict__.get(self._attr)
+        super().__init__(module)
+        self.path, self.norms, self.fused = path, norms, fused
         self._fn = None
 
     def __getstate__(self):  # the compiled function is rebuilt from the class's source after unpickling
@@ -188,23 +189,10 @@ class FusedLayer:
         status = _verified.get(self.key)
         return status if isinstance(status, str) else None
 
-    def original(self, *args, **kwargs):
-        if self._saved is not None:
-            return self._saved(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
     def install(self) -> None:
-        setattr(self.module, self._attr, functools.partial(fused_layer_forward, self.module))
-        self.module.__dict__[_LAYER_SLOT] = self
+        super().install()
         for name in self.fused:
             site_of(getattr(self.module, name)).fused = True
-
-    def uninstall(self) -> None:
-        if self._saved is None:
-            self.module.__dict__.pop(self._attr, None)
-        else:
-            setattr(self.module, self._attr, self._saved)
-        self.module.__dict__.pop(_LAYER_SLOT, None)
 
     def verify(self, args, kwargs):
         """Compare the rewritten forward with the original on copies of this call's inputs; cache the verdict."""
@@ -233,6 +221,9 @@ def fused_layer_forward(module, *args, **kwargs):
     for name in layer.fused:  # a layer of a rejected class met for the first time
         site_of(getattr(module, name)).fused = False
     return layer.original(*args, **kwargs)
+
+
+FusedLayer.FORWARD = fused_layer_forward
 
 
 @contextlib.contextmanager

@@ -1,11 +1,8 @@
 """The per-site wrapper: a norm module's forward swapped for the fused op, in place.
 
-Nothing about the module changes but its instance `forward`: same class, same Parameter object
-(state_dict keys and `save_pretrained` output unchanged), same torch hooks. If accelerate has
-already wrapped the forward (device_map / offload), its inner `_old_forward` is swapped instead,
-so its hooks keep moving weights and activations. The installed forward is a
-`functools.partial` of a module-level function, so a patched model pickles, deep-copies and
-`torch.save`s like any model; its state is the module's own `Site`.
+Nothing about the module changes but its instance `forward` (swap.py): same class, same Parameter
+object (state_dict keys and `save_pretrained` output unchanged), same torch hooks, and a patched
+model pickles, deep-copies and `torch.save`s like any model; its state is the module's own `Site`.
 
 A fused layer (fusion.py) calls `add_norm(norm, hidden, residual)` where the original did
 `residual + hidden` and then `norm(...)`. It runs one `add_rms_norm`, unless fusing would not be
@@ -15,30 +12,30 @@ Then it adds and calls the norm normally, and counts the bypass and its reason f
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.nn.modules import module as _nn_module
 
 from .. import config, ops
 from ..ops.dispatch import Stats
+from .swap import SwappedForward
 
 _SLOT = "_pypto_gym_site"
 _STATE = config.STATE  # the master switch, read on every call
 
 
-class Site:
+class Site(SwappedForward):
     """One patched norm: where it is (every path it is reachable by), how it runs, live counters."""
 
+    SLOT = _SLOT
+
     def __init__(self, paths, kind, module, eps, backend, cast_mode):
-        self.paths, self.kind, self.module, self.eps = list(paths), kind, module, eps
+        super().__init__(module)
+        self.paths, self.kind, self.eps = list(paths), kind, eps
         self.requested_backend = backend
         self.call = ops.BoundNorm(module.weight, eps, cast_mode, backend, Stats())  # what every call runs
         self.fused = False
         self.bypassed: dict[str, int] = {}  # fused calls that ran unfused, by reason
         self.quant = None  # a quant.norm.QuantNorm in W8A8 mode: the norm emits int8 rows for its linears
-        self._attr = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
-        self._saved = module.__dict__.get(self._attr)  # accelerate's inner forward, or None
 
     def __setstate__(self, state):  # unpickled in a new process: read the switches before the first call
         self.__dict__.update(state)
@@ -51,23 +48,6 @@ class Site:
     @property
     def stats(self) -> Stats:
         return self.call.stats
-
-    def original(self, hidden_states):
-        """The module's own math (accelerate's inner forward, or its class's forward)."""
-        if self._saved is not None:
-            return self._saved(hidden_states)
-        return type(self.module).forward(self.module, hidden_states)
-
-    def install(self) -> None:
-        setattr(self.module, self._attr, functools.partial(patched_forward, self.module))
-        self.module.__dict__[_SLOT] = self
-
-    def uninstall(self) -> None:
-        if self._saved is None:
-            self.module.__dict__.pop(self._attr, None)
-        else:
-            setattr(self.module, self._attr, self._saved)
-        self.module.__dict__.pop(_SLOT, None)
 
     def row(self) -> dict:
         w = self.module.weight
@@ -125,6 +105,9 @@ def add_norm(norm: torch.nn.Module, hidden, residual):
         site.bypassed[reason] = site.bypassed.get(reason, 0) + 1
     x_out = residual + hidden
     return norm(x_out), x_out
+
+
+Site.FORWARD = patched_forward
 
 
 def site_of(module: torch.nn.Module) -> Site | None:

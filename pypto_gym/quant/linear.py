@@ -1,19 +1,18 @@
 """QuantLinear: an nn.Linear whose forward runs the int8 GEMM (`ops.quant_matmul`) on int8 weights.
 
-As with a patched norm, only the module's instance `forward` changes: its float weight stays the
-registered Parameter (state_dict, save_pretrained and unpatching see the model as it was), and
+As with a patched norm, only the module's instance `forward` changes (patching/swap.py): its float
+weight stays the registered Parameter (state_dict, save_pretrained and unpatching see the model as it was), and
 the int8 copy lives here. The switch (USE_PTO_RMS_NORM / config.set_enabled) turns the float
 path back on without unpatching.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 
 from .. import config, ops
 from ..ops import reference
 from ..ops.dispatch import Stats
+from ..patching.swap import SwappedForward
 from . import activations
 
 _SLOT = "_pypto_gym_quant_linear"
@@ -34,11 +33,14 @@ def quantize_weight(weight: torch.Tensor, smooth: torch.Tensor | None = None):
     return w_q, w_scale
 
 
-class QuantLinear:
+class QuantLinear(SwappedForward):
     """One int8 linear: where it is, whose int8 rows it reads (`source`, a QuantNorm, or None), counters."""
 
+    SLOT = _SLOT
+
     def __init__(self, path: str, module: torch.nn.Linear, source, backend: str, why: str):
-        self.path, self.module, self.source, self.why = path, module, source, why
+        super().__init__(module)
+        self.path, self.source, self.why = path, source, why
         self.backend = backend
         smooth = None if source is None else source.smooth
         self.inv_smooth = None if source is None or source.inv_smooth is None else source.inv_smooth.float()
@@ -47,24 +49,6 @@ class QuantLinear:
         self.float_weight_shared = False  # the float weight is also another module's (tied embeddings)
         self.handed_over = 0  # calls that took the norm's int8 rows as they were
         self.quantized_here = 0  # calls that quantised their float input per row
-        self._attr = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
-        self._saved = module.__dict__.get(self._attr)
-
-    def original(self, x):
-        if self._saved is not None:
-            return self._saved(x)
-        return type(self.module).forward(self.module, x)
-
-    def install(self) -> None:
-        setattr(self.module, self._attr, functools.partial(quant_linear_forward, self.module))
-        self.module.__dict__[_SLOT] = self
-
-    def uninstall(self) -> None:
-        if self._saved is None:
-            self.module.__dict__.pop(self._attr, None)
-        else:
-            setattr(self.module, self._attr, self._saved)
-        self.module.__dict__.pop(_SLOT, None)
 
     def row(self) -> dict:
         m, stats = self.module, self.stats
@@ -95,6 +79,9 @@ def quant_linear_forward(module, x):
         ql.handed_over += 1
     return ops.quant_matmul(q, ql.w_q, scale, ql.w_scale, module.bias, out_dtype=x.dtype, backend=ql.backend,
                             stats=ql.stats)
+
+
+QuantLinear.FORWARD = quant_linear_forward
 
 
 def quant_linear_of(module) -> QuantLinear | None:

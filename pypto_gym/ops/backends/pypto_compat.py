@@ -248,8 +248,6 @@ def read_verification(run_dir: Path, outputs: list) -> tuple[str, dict, list | N
     so each is matched to the output whose graph-level values equal its golden.
     Returns level "compiled" with those numbers, or "graph" (None) where the dumps are missing.
     """
-    import torch
-
     vdirs = sorted(Path(run_dir).glob("verify_*"))
     if not vdirs:
         return "graph", {}, None
