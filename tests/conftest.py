@@ -33,6 +33,14 @@ def _switches_restored():
         yield
 
 
+@pytest.fixture
+def model32(tiny_loaded):
+    """A float32 copy of the embedded model: torch-backend comparisons must be bit-exact."""
+    import copy
+
+    return copy.deepcopy(tiny_loaded[0]).float()
+
+
 @pytest.fixture(scope="session")
 def tiny_loaded():
     """The embedded checkpoint (bf16) and its processor; tests must not mutate it (use copies)."""

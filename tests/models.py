@@ -3,6 +3,11 @@ import torch
 from torch import nn
 
 
+def logits(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
 def tiny_qwen2_vl():
     """Qwen2-VL: RMSNorm in the text model, LayerNorm (not RMSNorm) in the vision tower."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration

@@ -7,18 +7,8 @@ import torch
 import pypto_gym
 from pypto_gym.precision import compare
 
-from models import GutenOcr3BVLRMSNorm, OnePlusWeightRMSNorm, tiny_qwen2_vl, tiny_qwen3
+from models import GutenOcr3BVLRMSNorm, OnePlusWeightRMSNorm, logits, tiny_qwen2_vl, tiny_qwen3
 
-
-@pytest.fixture
-def model32(tiny_loaded):
-    """A float32 copy of the embedded model: torch-backend comparisons must be bit-exact."""
-    return copy.deepcopy(tiny_loaded[0]).float()
-
-
-def logits(model, inputs):
-    with torch.no_grad():
-        return model(**inputs).logits
 
 
 def rms_norm_modules(model):

@@ -12,17 +12,8 @@ import torch
 import pypto_gym
 from pypto_gym.ops import registry
 
-from models import tiny_qwen3
+from models import logits, tiny_qwen3
 
-
-@pytest.fixture
-def model32(tiny_loaded):
-    return copy.deepcopy(tiny_loaded[0]).float()
-
-
-def logits(model, inputs):
-    with torch.no_grad():
-        return model(**inputs).logits
 
 
 def text_layers(model):
@@ -201,7 +192,7 @@ def test_a_backend_that_cannot_build_is_refused_at_patch_time_when_strict(model3
 # ---- the master switch: one rule, documented ----------------------------------------------------
 SWITCH_SCRIPT = """
 import torch, pypto_gym
-from models import tiny_qwen3
+from models import logits, tiny_qwen3
 m = tiny_qwen3()
 r = pypto_gym.patch_model(m, backend="torch")
 m(torch.randint(0, 256, (1, 4)))
