@@ -40,6 +40,9 @@ OPCHECK_CASES = {
                                                            (x1, x2, g, s, s, g, 1e-6, "int8", b, 0)),
     "add_rms_norm_dynamic_quant_one_branch": lambda x1, x2, g, s, b: (library.add_rms_norm_dynamic_quant_op,
                                                                       (x1, x2, g, s, None, None, 1e-6, "int4", b, 0)),
+    "quant_matmul": lambda x1, x2, g, s, b: (library.quant_matmul_op, (
+        (x1 * 40).clamp(-128, 127).to(torch.int8), (x2[0] * 40).clamp(-128, 127).to(torch.int8), x1[..., 0].abs(),
+        s[:5].abs().float(), g[:5], torch.bfloat16, b, 0)),  # w_q [N=5, K=64]
 }
 
 
