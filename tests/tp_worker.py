@@ -31,6 +31,11 @@ def main(kind: str, path: str, backend: str, out_dir: str) -> None:
            "equal": torch.equal(before, after), "max_diff": float((before - after).abs().max())}
     with open(f"{out_dir}/rank{row['rank']}.json", "w") as f:
         json.dump(row, f)
+    # Tear the gloo group down before the interpreter exits: left to interpreter shutdown, its
+    # threads can still be joinable when their std::thread objects are destroyed, which aborts the
+    # process ("terminate called without an active exception") after the work is done.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
