@@ -78,15 +78,19 @@ struct DAcc {  // 16 double lanes
   inline double sum() const { return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi)); }
 };
 inline V widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+#if !defined(__AVX512BF16__)
+inline __m512i bf16_rne(V v) {  // v rounded to bf16 (round to nearest even), bits still in the high half
+  __m512i u = _mm512_castps_si512(v);
+  return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                          _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+}
+#endif
 inline __m256i bf16_pack(V v) {
 #if defined(__AVX512BF16__)
   return (__m256i)_mm512_cvtneps_pbh(v);
 #else
-  __m512i u = _mm512_castps_si512(v);
-  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                               _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
   __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 16), nan, _mm512_set1_epi32(0x7FC0));
+  __m512i r = _mm512_mask_mov_epi32(_mm512_srli_epi32(bf16_rne(v), 16), nan, _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(r);
 #endif
 }
@@ -113,11 +117,6 @@ template <class X, bool FINITE> inline void vstore2_t(typename X::T* p, V a, V b
   vstore<X>(p + W, b);
 }
 #if !defined(__AVX512BF16__)
-inline __m512i bf16_rne(V v) {  // v rounded to bf16 (round to nearest even), bits still in the high half
-  __m512i u = _mm512_castps_si512(v);
-  return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                          _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-}
 template <> inline V vround_t<BF16, true>(V v) {
   return _mm512_castsi512_ps(_mm512_and_si512(bf16_rne(v), _mm512_set1_epi32((int)0xFFFF0000u)));
 }
@@ -148,11 +147,13 @@ struct DAcc {  // 8 double lanes
   }
 };
 inline V widen8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
-inline __m128i bf16_pack(V v) {  // round to nearest even by integer arithmetic, NaN -> 0x7FC0
+inline __m256i bf16_rne(V v) {  // v rounded to bf16 (round to nearest even), bits still in the high half
   __m256i u = _mm256_castps_si256(v);
-  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
-                               _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
-  r = _mm256_srli_epi32(r, 16);
+  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                          _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+}
+inline __m128i bf16_pack(V v) {  // round to nearest even by integer arithmetic, NaN -> 0x7FC0
+  __m256i r = _mm256_srli_epi32(bf16_rne(v), 16);
   __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
   __m256i p = _mm256_packus_epi32(r, r);  // per 128-bit lane: [a0..a3 a0..a3 | b0..b3 b0..b3]
@@ -171,10 +172,7 @@ template <> inline void vstore<F16>(uint16_t* p, V v) {
 template <class X> inline V vround(V v);
 template <> inline V vround<F32>(V v) { return v; }
 template <> inline V vround<BF16>(V v) {  // keep the rounded high half in place: no pack/unpack
-  __m256i u = _mm256_castps_si256(v);
-  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
-                               _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
-  V rounded = _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
+  V rounded = _mm256_castsi256_ps(_mm256_and_si256(bf16_rne(v), _mm256_set1_epi32((int)0xFFFF0000u)));
   return _mm256_blendv_ps(rounded, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 template <> inline V vround<F16>(V v) {
@@ -182,11 +180,6 @@ template <> inline V vround<F16>(V v) {
 }
 // FINITE: the caller knows no NaN can occur (finite row and gamma), so the integer rounding needs no
 // NaN blend, and pairs of vectors share one pack and one permute
-inline __m256i bf16_rne(V v) {  // v rounded to bf16 (round to nearest even), bits still in the high half
-  __m256i u = _mm256_castps_si256(v);
-  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
-                          _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
-}
 template <class X, bool FINITE> inline V vround_t(V v) { return vround<X>(v); }
 template <> inline V vround_t<BF16, true>(V v) {
   return _mm256_castsi256_ps(_mm256_and_si256(bf16_rne(v), _mm256_set1_epi32((int)0xFFFF0000u)));
