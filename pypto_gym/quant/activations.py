@@ -1,62 +1,102 @@
-"""The hand-over of a quant norm's int8 rows to the int8 linears that read its output.
+"""The hand-over of a quant norm's int8 rows to the int8 linears that read its output: `QuantRows`.
 
-Between a norm and its linears the model's own code (attention, MLP) passes a float tensor
-around, so a quant norm returns the float tensor its int8 rows stand for (q * scale * s in the
-model dtype) and records (q, scale) against that tensor object. A QuantLinear given that tensor,
-or a view of whole rows of it (lm_head reads a slice of the last positions), takes the int8 rows
-as they are. Anything else reaching a QuantLinear (a tensor a hook replaced, a reshaped one, the
-output of another norm) is quantised per row in the linear: a missed hand-over costs time,
-never correctness. Entries live as long as the float tensor does (weak references).
+Between a norm and its linears the model's own code (attention, MLP) passes a float tensor around.
+A quant norm returns a `QuantRows`: a tensor of the model dtype and the norm output's shape that
+holds no float data, only the int8 rows and per-row scales (and the smooth scale they stand for
+times). A QuantLinear of the same norm given one (or a slice of whole rows of one: lm_head reads
+the last positions) takes the int8 rows as they are; no dequantised float rows are written.
+
+Anything else that touches a QuantRows goes through `__torch_dispatch__`, which makes the rows
+"escape": the float tensor they stand for (q * scale * s, in the model dtype) is computed once,
+the operation runs on it, and from then on every QuantLinear reading that tensor or any view of
+it quantises the float values itself. So an in-place edit by model code, a `.data` edit, a view
+written to, any op at all, is seen: a missed hand-over costs time, never correctness, in every
+grad mode (no version counters needed: inference tensors have none). Row views (slices and
+selects of non-last dims, detach) stay QuantRows sharing the same state, so an edit through a
+view escapes the whole tensor too.
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
+from torch.utils._pytree import tree_map
 
-# storage address -> (weak reference to the issued float tensor, q, scale, owner, version). Keyed by
-# storage, not by tensor: under torch.inference_mode (generate) views do not record their `_base`.
-# The version counter catches a float tensor modified in place after it was issued (outside
-# inference mode; inference tensors have no counter).
-_ISSUED: dict[int, tuple] = {}
-
-
-def _forget(ptr: int, ref) -> None:
-    entry = _ISSUED.get(ptr)
-    if entry is not None and entry[0] is ref:
-        del _ISSUED[ptr]
+_aten = torch.ops.aten
+_ROW_VIEWS = {_aten.slice.Tensor, _aten.select.int}  # views that keep whole rows (not on the last dim)
+_ALIASES = {_aten.detach.default, _aten.alias.default}
 
 
-def issue(y: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, owner) -> None:
-    """Record that the float tensor `y` (fresh, contiguous) stands for int8 rows `q` with per-row `scale`."""
-    ptr = y.untyped_storage().data_ptr()
-    ref = weakref.ref(y, lambda r, ptr=ptr: _forget(ptr, r))
-    version = None if y.is_inference() else y._version  # inference tensors keep no version counter
-    _ISSUED[ptr] = (ref, q.contiguous(), scale.contiguous(), owner, version)
+class _Rows:
+    """What every QuantRows view of one norm output shares: the int8 rows, and the float once escaped."""
+
+    __slots__ = ("q", "scale", "smooth", "dtype", "owner", "float")
+
+    def __init__(self, q, scale, smooth, dtype, owner):
+        self.q, self.scale, self.smooth, self.dtype, self.owner = q, scale, smooth, dtype, owner
+        self.float = None  # the dequantised float tensor, once something other than a QuantLinear touched it
+
+    def escape(self) -> torch.Tensor:
+        if self.float is None:
+            y = self.q.to(torch.float32) * self.scale.unsqueeze(-1)
+            self.float = (y if self.smooth is None else y * self.smooth).to(self.dtype)
+        return self.float
 
 
-def find(x: torch.Tensor, owner):
-    """(q, scale) for `x` if `owner` issued it, or issued the tensor whose whole rows `x` views; else None."""
-    entry = _ISSUED.get(x.untyped_storage().data_ptr())
-    if entry is None or entry[3] is not owner:
-        return None
-    y = entry[0]()
-    if y is None or (entry[4] is not None and y._version != entry[4]):  # gone, or modified in place since
-        return None
-    if x is y:
-        return entry[1], entry[2]
-    return _rows_view(x, y, entry[1], entry[2])
+class QuantRows(torch.Tensor):
+    """A norm's output as int8 rows + per-row scales (see the module docstring)."""
+
+    @staticmethod
+    def __new__(cls, rows: _Rows, view=()):
+        q = rows.q
+        for func, args in view:
+            q = func(q, *args)
+        t = torch.Tensor._make_wrapper_subclass(cls, q.shape, strides=q.stride(), storage_offset=q.storage_offset(),
+                                                dtype=rows.dtype, device=q.device, requires_grad=False)
+        t._rows, t._view = rows, view
+        return t
+
+    def __repr__(self):
+        state = "escaped" if self._rows.float is not None else "int8 rows"
+        return f"QuantRows({tuple(self.shape)}, {self.dtype}, {state})"
+
+    def _apply(self, base: torch.Tensor) -> torch.Tensor:
+        for func, args in self._view:
+            base = func(base, *args)
+        return base
+
+    def handed_over(self, owner):
+        """(q, scale) of these rows if `owner` issued them and nothing else has touched them; else None."""
+        rows = self._rows
+        if rows.owner is not owner or rows.float is not None:
+            return None
+        q = self._apply(rows.q)
+        scale = rows.scale
+        for func, args in self._view:
+            if func is not _aten.detach.default and func is not _aten.alias.default:
+                scale = func(scale, *args)  # row views only: the same view of the per-row scales
+        return q, scale
+
+    def value(self) -> torch.Tensor:
+        """The float tensor this stands for (escapes the rows)."""
+        return self._apply(self._rows.escape())
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if isinstance(first, QuantRows) and first._rows.float is None and not kwargs:
+            if func in _ALIASES:
+                return QuantRows(first._rows, first._view + ((func, ()),))
+            dim = args[1] if len(args) > 1 else 0
+            if func in _ROW_VIEWS and first.dim() > 1 and dim % first.dim() != first.dim() - 1:
+                rest = (dim % first.dim(), *args[2:])  # a non-negative dim: the same on the per-row scales
+                return QuantRows(first._rows, first._view + ((func, rest),))
+
+        def unwrap(t):
+            return t.value() if isinstance(t, QuantRows) else t
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
-def _rows_view(x, base, q, scale):
-    """The same view of q and scale as `x` is of `base`, when `x` keeps whole rows; else None."""
-    D = base.shape[-1]
-    if x.dim() == 0 or x.shape[-1] != D or x.stride(-1) != 1 or not base.is_contiguous() or x.dtype != base.dtype:
-        return None
-    offset = x.storage_offset() - base.storage_offset()
-    outer = [(stride, size) for stride, size in zip(x.stride()[:-1], x.shape[:-1])]
-    if offset < 0 or offset % D or any(size > 1 and stride % D for stride, size in outer):
-        return None
-    row_strides = [stride // D if size > 1 else 0 for stride, size in outer]
-    return (q.as_strided(x.shape, x.stride(), q.storage_offset() + offset),
-            scale.as_strided(x.shape[:-1], row_strides, scale.storage_offset() + offset // D))
+def issue(q: torch.Tensor, scale: torch.Tensor, smooth, dtype, owner) -> QuantRows:
+    """The output of a quant norm: int8 rows `q` [..., D], per-row `scale`, standing for q * scale * smooth."""
+    return QuantRows(_Rows(q, scale, smooth, dtype, owner))

@@ -68,8 +68,10 @@ def quant_linear_forward(module, x):
     if not _STATE.enabled:
         return ql.original(x)
     got = None
-    if ql.source is not None and not torch.compiler.is_compiling():
-        got = activations.find(x, ql.source)
+    if type(x) is activations.QuantRows:
+        got = x.handed_over(ql.source)
+        if got is None:
+            x = x.value()  # escaped, or another norm's rows: quantise the float values they stand for
     if got is None:
         xf = x.to(torch.float32)
         q, scale = reference.quantize_rows(xf if ql.inv_smooth is None else xf * ql.inv_smooth, "int8")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from ..patching.wrapper import has_hooks
 from . import activations
 
 
@@ -19,16 +20,20 @@ class QuantNorm:
         # the s the int8 rows are scaled back by, and the consumers' weights scaled by: exactly 1/inv_smooth
         self.smooth = None if inv_smooth is None else 1.0 / inv_smooth.float()
         self.consumers: list[str] = []
+        self.consumer_modules: list[torch.nn.Module] = []
         self.bypassed: dict[str, int] = {}
+
+    def _count(self, reason: str) -> None:
+        self.bypassed[reason] = self.bypassed.get(reason, 0) + 1
 
     def forward(self, site, module, x, residual=None):
         """rms_norm_dynamic_quant (or add_rms_norm_dynamic_quant with `residual`) on the site's backend;
-        returns the float rows the int8 rows stand for, handed over to the consumers."""
+        returns the norm's output as QuantRows for the consumers, or as a float tensor where a hand-over
+        could not be exact (hooks on the norm or a consumer see and may change a real float tensor)."""
         w = module._parameters["weight"]
         call = site.call
         if x.dtype is not w.dtype or (residual is not None and residual.dtype is not x.dtype):
-            reason = f"activations are {x.dtype}, the norm weight {w.dtype}: ran as a float norm"
-            self.bypassed[reason] = self.bypassed.get(reason, 0) + 1
+            self._count(f"activations are {x.dtype}, the norm weight {w.dtype}: ran as a float norm")
             if residual is None:
                 return call.rms_norm(x, w)
             return call.add_rms_norm(residual, x, w)
@@ -38,8 +43,10 @@ class QuantNorm:
         else:
             q, _, x_out, scale, _ = ops.add_rms_norm_dynamic_quant(residual, x, w, self.inv_smooth, None, None,
                                                                    site.eps, backend=call.backend, stats=call.stats)
-        y = q.to(torch.float32) * scale.unsqueeze(-1)
-        y = (y if self.smooth is None else y * self.smooth).to(x.dtype)
-        if not torch.compiler.is_compiling():
-            activations.issue(y, q, scale, self)
+        y = activations.issue(q, scale, self.smooth, x.dtype, self)
+        if torch.compiler.is_compiling():
+            y = y.value()  # a traced graph carries plain tensors
+        elif has_hooks(module) or any(has_hooks(m) for m in self.consumer_modules):
+            self._count("hooks on the norm or a consumer: float rows handed on")
+            y = y.value()
         return y if residual is None else (y, x_out)

@@ -130,3 +130,4 @@ def _add(plan, path, linear, source, backend, why) -> None:
     plan.linears.append(ql)
     if source is not None:
         source.consumers.append(path)
+        source.consumer_modules.append(linear)
