@@ -321,13 +321,26 @@ def test_calibration_is_deterministic_and_follows_the_smoothquant_formula(tiny_l
     ("fp16", r"'model.language_model.norm.smooth_scale' is float16 \[128\]"),
     ("not_safetensors", "not a safetensors file"),
     ("format", "metadata format None"),
+    ("tiny 1e-40", r"'model.language_model.norm.smooth_scale' channel 3: smooth scale 1e-40 has no normal float32 "
+                   r"reciprocal"),
+    ("tiny 1.4e-45", r"'model.language_model.norm.smooth_scale' channel 3: smooth scale 1.4e-45 has no normal"),
+    ("huge 3.4e38", r"'model.language_model.norm.smooth_scale' channel 3: smooth scale 3.4e\+38 has no normal "
+                    r"float32 reciprocal"),
+    ("one channel 1e-10", r"'model.language_model.norm.smooth_scale' channel 3: smooth scale 1e-10 makes its max/min "
+                          r".* above the bound of 100000"),
+    ("one channel 1e10", r"channel 3: smooth scale 1e\+10 makes its max/min"),
+    ("model_type", r"metadata model_type 'llama'; this model is 'qwen2_5_vl'"),
+    ("alpha", r"metadata alpha 7; expected a number in \[0, 1\]"),
+    ("huge metadata", r"metadata entry 'pypto_gym' is 100,\d{3} bytes; expected at most 65,536"),
 ])
 def test_bad_calibration_files_are_refused_naming_the_tensor(tiny_loaded, calib_file, tmp_path, damage, match):
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(calib_file)
     key = "model.language_model.norm.smooth_scale"
-    meta = {calibration.META_KEY: '{"format": "%s"}' % calibration.FORMAT}
+    info = {"format": calibration.FORMAT, "alpha": 0.5, "model_type": "qwen2_5_vl"}
+    extreme = {"tiny 1e-40": 1e-40, "tiny 1.4e-45": 1.4e-45, "huge 3.4e38": 3.4e38, "one channel 1e-10": 1e-10,
+               "one channel 1e10": 1e10}
     if damage == "nan":
         tensors[key][3] = math.nan
     elif damage == "zero":
@@ -340,7 +353,18 @@ def test_bad_calibration_files_are_refused_naming_the_tensor(tiny_loaded, calib_
         del tensors[key]
     elif damage == "fp16":
         tensors[key] = tensors[key].half()
-    elif damage == "format":
+    elif damage in extreme:
+        tensors[key][3] = extreme[damage]
+    elif damage == "model_type":
+        info["model_type"] = "llama"
+    elif damage == "alpha":
+        info["alpha"] = 7
+    elif damage == "huge metadata":
+        info["inputs"] = ["x" * 1000] * 100
+    import json
+
+    meta = {calibration.META_KEY: json.dumps(info)}
+    if damage == "format":
         meta = {"something": "else"}
     bad = tmp_path / "bad.safetensors"
     if damage == "not_safetensors":

@@ -23,6 +23,11 @@ FORMAT = "pypto_gym-smoothquant-1"
 SUFFIX = ".smooth_scale"
 META_KEY = "pypto_gym"
 FLOOR = 1e-5  # a channel that never fired, or an all-zero weight column, gets s = 1 instead of 0 or inf
+# The widest max/min of one norm's smooth scales a file may hold. Calibrations measured here span at
+# most ~300 (100x outliers, alpha 1); one channel at 1e-10 or 1e10 (spread ~1e10) took the logits
+# cosine to 0.56, and a reciprocal or a scaled weight past the float range gives NaN logits.
+MAX_SPREAD = 1e5
+MAX_METADATA_BYTES = 64 * 1024  # the JSON entry: format, alpha, model type, input names
 
 
 def smooth_scales(model, absmax: dict, alpha: float) -> dict:
@@ -60,8 +65,8 @@ def save(path, scales: dict, alpha: float, model_type: str, inputs: list[str]) -
     files.write_bytes(path, data)
 
 
-def load(path, expected: dict) -> dict:
-    """{norm path: s} from a calibration file, checked against `expected` {norm path: D}."""
+def load(path, expected: dict, model_type: str | None = None) -> dict:
+    """{norm path: s} from a calibration file, checked against `expected` {norm path: D} and the model type."""
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load as load_bytes
 
@@ -75,13 +80,10 @@ def load(path, expected: dict) -> dict:
         tensors = load_bytes(p.read_bytes())
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise ValueError(f"{where}: not a safetensors file ({str(e).splitlines()[0][:120]})") from None
-    try:
-        fmt = json.loads(metadata.get(META_KEY, "{}")).get("format")
-    except (json.JSONDecodeError, AttributeError):
-        fmt = None
-    if fmt != FORMAT:
-        raise ValueError(f"{where}: metadata format {fmt!r}; expected {FORMAT!r} (a file written by "
-                         f"scripts/calibrate.py)")
+    info = _metadata(where, metadata)
+    if model_type is not None and info.get("model_type") != model_type:
+        raise ValueError(f"{where}: metadata model_type {info.get('model_type')!r}; this model is {model_type!r} "
+                         f"(a file made for another model?)")
     out = {}
     examples = ", ".join(repr(n) for n in sorted(expected)[:2])
     for name in sorted(tensors):
@@ -99,9 +101,63 @@ def load(path, expected: dict) -> dict:
             first = int(bad.nonzero()[0, 0])
             raise ValueError(f"{where}: tensor {name!r} has {int(bad.sum())} values that are not finite and "
                              f"positive (the first at channel {first}: {float(t[first])})")
+        _check_spread(where, name, t)
         out[norm] = t
     missing = sorted(set(expected) - set(out))
     if missing:
         raise ValueError(f"{where}: no tensor {missing[0] + SUFFIX!r} for norm {missing[0]} ({len(missing)} of "
                          f"{len(expected)} norms missing; a file made for another model?)")
     return out
+
+
+def _metadata(where: str, metadata: dict) -> dict:
+    """The file's JSON metadata entry, checked: our format, an alpha in [0, 1], a bounded size."""
+    text = metadata.get(META_KEY, "{}")
+    if len(text) > MAX_METADATA_BYTES:
+        raise ValueError(f"{where}: metadata entry {META_KEY!r} is {len(text):,} bytes; expected at most "
+                         f"{MAX_METADATA_BYTES:,}")
+    try:
+        info = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        info = None
+    fmt = info.get("format") if isinstance(info, dict) else None
+    if fmt != FORMAT:
+        raise ValueError(f"{where}: metadata format {fmt!r}; expected {FORMAT!r} (a file written by "
+                         f"scripts/calibrate.py)")
+    alpha = info.get("alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"{where}: metadata alpha {alpha!r}; expected a number in [0, 1]")
+    return info
+
+
+def _check_spread(where: str, name: str, s: torch.Tensor) -> None:
+    """Refuse scales whose reciprocal leaves fp32's normal range or whose max/min exceeds MAX_SPREAD,
+    naming the channel furthest from the median."""
+    check_reciprocal(f"{where}: tensor {name!r}", s, torch.float32)
+    spread = float(s.max() / s.min())
+    if spread > MAX_SPREAD:
+        j = int((s.log() - s.log().median()).abs().argmax())
+        raise ValueError(f"{where}: tensor {name!r} channel {j}: smooth scale {float(s[j]):.3g} makes its max/min "
+                         f"{spread:.3g}, above the bound of {MAX_SPREAD:g} (median {float(s.median()):.3g})")
+
+
+def check_reciprocal(where: str, s: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse scales whose reciprocal (what the quant op multiplies by, in `dtype`) is not a normal number."""
+    inv = (1.0 / s.to(torch.float32)).to(dtype)
+    bad = ~torch.isfinite(inv) | (inv.abs() < torch.finfo(dtype).tiny)
+    if bad.any():
+        j = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{where} channel {j}: smooth scale {float(s[j]):.3g} has no normal "
+                         f"{str(dtype).replace('torch.', '')} reciprocal (1/s = {float(inv[j]):.3g})")
+
+
+def check_scaled(where: str, weight: torch.Tensor, smooth: torch.Tensor, linear: str) -> None:
+    """Refuse a smooth scale whose product with a consumer's weight is not finite in fp32 and in the
+    weight's dtype (the int8 weights are quantised from W * s)."""
+    for i in range(0, weight.shape[0], 4096):
+        w = weight[i:i + 4096].detach().to(torch.float32) * smooth
+        bad = ~torch.isfinite(w) | ~torch.isfinite(w.to(weight.dtype))
+        if bad.any():
+            j = int(bad.any(0).nonzero()[0, 0])
+            raise ValueError(f"{where}: channel {j}: smooth scale {float(smooth[j]):.3g} times {linear}'s weight "
+                             f"is not finite in float32 and {str(weight.dtype).replace('torch.', '')}")

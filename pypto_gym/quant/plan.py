@@ -90,7 +90,13 @@ def install(model, sites, backend: str, calibration_path=None) -> QuantPlan:
             plan.skipped_norms.append({"path": site.path, "reason": "; ".join(f"{p}: {r}" for p, r in missing)})
     smooth = {}
     if calibration_path is not None:
-        smooth = calibration.load(calibration_path, {s.path: s.module.weight.shape[0] for s in fed})
+        smooth = calibration.load(calibration_path, {s.path: s.module.weight.shape[0] for s in fed},
+                                  getattr(getattr(model, "config", None), "model_type", None))
+        for site, found in fed.items():
+            where = f"calibration {calibration_path}: tensor '{site.path}{calibration.SUFFIX}'"
+            calibration.check_reciprocal(where, smooth[site.path], site.module.weight.dtype)
+            for path, linear in found:
+                calibration.check_scaled(where, linear.weight, smooth[site.path].to(linear.weight.device), path)
     try:
         for site, found in fed.items():
             s = smooth.get(site.path)
