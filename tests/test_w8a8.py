@@ -78,6 +78,33 @@ def test_cpu_quant_matmul_is_bit_identical_to_reference(M, K, N, out_dtype):
         assert torch.equal(y, reference.quant_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype))
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("grad", ["bias", "x_scale", "w_scale"])
+def test_quant_matmul_output_never_requires_grad(backend, grad):
+    gen = torch.Generator().manual_seed(3)
+    x_q, w_q = int8((3, 32), gen), int8((8, 32), gen)
+    args = {"x_scale": torch.rand(3, generator=gen), "w_scale": torch.rand(8, generator=gen),
+            "bias": torch.nn.Parameter(torch.randn(8, generator=gen), requires_grad=grad == "bias")}
+    args[grad].requires_grad_(True)
+    y = ops.quant_matmul(x_q, w_q, args["x_scale"], args["w_scale"], args["bias"], out_dtype=torch.float32,
+                         backend=backend)
+    assert not y.requires_grad  # so backward() says so, instead of leaving bias.grad None silently
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        y.sum().backward()
+
+
+def test_biased_qkv_linears_in_w8a8_do_not_pretend_to_train(tiny_loaded, sample_inputs):
+    """Qwen2.5-VL's q/k/v have biases (Parameters that require grad): their int8 outputs must not require grad."""
+    model = copy.deepcopy(tiny_loaded[0]).float()
+    patch_model(model, backend="cpu", quant="w8a8")
+    attn = model.model.language_model.layers[0].self_attn
+    assert attn.q_proj.bias.requires_grad
+    seen = []
+    attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.requires_grad))
+    model(**sample_inputs)  # grad enabled
+    assert seen == [False]
+
+
 def test_quant_matmul_compiles_to_one_op():
     gen = torch.Generator().manual_seed(2)
     x_q, w_q = int8((4, 64), gen), int8((16, 64), gen)

@@ -151,7 +151,8 @@ def _non_differentiable(op, n_inputs: int) -> None:
     """Quantisation has no useful gradient: every output is marked non-differentiable, so callers
     with requires_grad inputs get outputs that do not require grad, not a backward that raises."""
     def setup_context(ctx, inputs, output):
-        ctx.mark_non_differentiable(*output)
+        # one output is a Tensor: unpacking it would mark its rows, and leave the output differentiable
+        ctx.mark_non_differentiable(*((output,) if isinstance(output, torch.Tensor) else output))
 
     def backward(ctx, *grads):
         return (None,) * n_inputs
