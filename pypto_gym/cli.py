@@ -247,6 +247,8 @@ def _bench_outputs(args, name: str):
     from . import files
 
     paths = [args.json or str(BENCH_OUT / f"{name}.json"), args.png or str(BENCH_OUT / f"{name}.png")]
+    if not (args.json and args.png):
+        BENCH_OUT.mkdir(parents=True, exist_ok=True)  # the scratch default is ours to create
     for flag, path in zip(("--json", "--png"), paths):
         files.check_writable(path, flag)
     return paths

@@ -3,27 +3,54 @@
 A case file that took an hour of capture, a calibration file, a benchmark's JSON: if the disk
 fills or the process dies mid-write, the previous version must survive intact. So the new content
 goes to a temporary file in the same directory (same filesystem, so the rename is atomic), is
-flushed to disk, and only then replaces the target with `os.replace`.
+flushed to disk, and only then replaces the target with `os.replace`. The file gets the mode a
+plain `open(path, "w")` would give it: the existing target's mode, else 0o666 minus the umask (a
+temporary file is created 0600, which would make a shared cache or a CI artifact unreadable).
+
+Output paths named on the command line are checked before any work (`check_writable`); like `cp`,
+a missing parent directory is an error, not something created silently.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # no /proc: read it by setting it (and put it back at once)
+    os.umask(mask)
+    return mask
+
+
+def _mode_for(target: Path) -> int:
+    try:
+        return stat.S_IMODE(target.stat().st_mode)
+    except OSError:
+        return 0o666 & ~_umask()
+
+
 @contextlib.contextmanager
 def atomic_path(path):
-    """Yield a temporary path next to `path`; on success it replaces `path`, on failure it is removed."""
+    """Yield a temporary path next to `path` (whose directory must exist); on success it replaces `path`
+    with the target's mode, on failure it is removed."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
         yield Path(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, _mode_for(target))
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -49,8 +76,9 @@ def check_writable(path, argument: str) -> Path:
     parent = target.parent
     if parent.exists() and not parent.is_dir():
         raise NotADirectoryError(f"{argument}: {parent} is a file, so {target} cannot be created")
+    if not parent.exists():
+        raise FileNotFoundError(f"{argument}: directory {parent} does not exist (create it first)")
     try:
-        parent.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=parent)
         os.close(fd)
         os.unlink(probe)

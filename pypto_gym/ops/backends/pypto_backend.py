@@ -293,6 +293,7 @@ def _load_cached(key: str, outputs: list, backend: PyptoBackend) -> bool:
 
 
 def _store_cached(key: str, outputs: list, run: RunInfo) -> None:
+    _results_dir().mkdir(parents=True, exist_ok=True)
     with files.atomic_path(_results_dir() / f"{key}.pt") as tmp:
         torch.save({"outputs": [o.clone() for o in outputs], "run": asdict(run)}, tmp)
 
