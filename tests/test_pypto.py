@@ -212,3 +212,75 @@ def test_unfused_baseline_add_for_benchmarks():
     x1, x2 = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
     assert torch.equal(BACKEND.residual_add(x1, x2), x1 + x2)
     assert BACKEND.last_run.estimated_us > 0
+
+
+# ---- the result cache: never loses a verified result, never trusts a damaged entry, never blocks ----
+def _entry(tmp_path):
+    (entry,) = (tmp_path / "results").glob("*.pt")
+    return entry
+
+
+def _small():
+    torch.manual_seed(7)
+    return torch.randn(4, 64).bfloat16(), torch.randn(64).bfloat16()
+
+
+def test_a_cache_that_cannot_be_written_keeps_the_result(tmp_path, monkeypatch):
+    import errno
+
+    from pypto_gym import files
+
+    def read_only(path):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(files, "atomic_path", read_only)
+    x, g = _small()
+    with pytest.warns(RuntimeWarning, match="PyPTO result not cached .*Read-only file system"):
+        y = run("rms_norm", x, g)
+    assert torch.equal(y, reference.rms_norm(x, g))
+
+
+def test_a_read_only_cache_serves_its_hits_without_creating_anything(tmp_path, monkeypatch):
+    x, g = _small()
+    first = run("rms_norm", x, g)
+
+    def nothing_may_be_created(*a, **k):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(pypto_compat, "scratch_dir", nothing_may_be_created)
+    monkeypatch.setattr(Path, "mkdir", nothing_may_be_created)
+    assert torch.equal(ops.rms_norm(x, g, backend="pypto"), first) and BACKEND.last_run.cached
+
+
+@pytest.mark.parametrize("damage", ["run field missing", "run field extra", "estimate not a number", "a directory",
+                                    "a fifo", "outputs of another shape"])
+def test_a_damaged_entry_is_recomputed_and_overwritten(tmp_path, damage):
+    import os
+
+    x, g = _small()
+    first = run("rms_norm", x, g)
+    entry = _entry(tmp_path)
+    saved = torch.load(entry, weights_only=True)
+    entry.unlink()
+    if damage == "a directory":
+        entry.mkdir()
+    elif damage == "a fifo":
+        os.mkfifo(entry)
+    else:
+        if damage == "run field missing":
+            del saved["run"]["hub_us"]
+        elif damage == "run field extra":
+            saved["run"]["surprise"] = 1
+        elif damage == "estimate not a number":
+            saved["run"]["estimated_us"] = "abc"
+        else:
+            saved["outputs"] = [o[:2] for o in saved["outputs"]]
+        torch.save(saved, entry)
+    if damage == "a directory":  # cannot be overwritten: the result is still returned, and the reason said
+        with pytest.warns(RuntimeWarning, match="PyPTO result not cached"):
+            again = run("rms_norm", x, g)
+    else:
+        again = run("rms_norm", x, g)  # run() asserts: not served from the cache, compiled and verified
+        assert entry.is_file() and torch.load(entry, weights_only=True)["run"] == {
+            k: v for k, v in vars(BACKEND.last_run).items() if k != "cached"}
+    assert torch.equal(again, first)

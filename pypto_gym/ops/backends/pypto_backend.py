@@ -17,7 +17,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import shutil
+import stat
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -153,15 +156,15 @@ class PyptoBackend(Backend):
 
         R, D = x.numel() // x.shape[-1], x.shape[-1]
         tiles = tile_config(name, R, D)
-        kernel = self._kernel(x.device.type, name, tiles.nbuffer)
         args = (*inputs, *outputs, *scalars, tiles.rows, tiles.cols)
         if x.device.type == "npu":
-            kernel(*args)
+            self._kernel(x.device.type, name, tiles.nbuffer)(*args)
             return
-        pypto_compat.ensure_calculator()  # a first build says so on the terminal, not in PyPTO's log
         key = _cache_key(name, tiles, inputs, outputs, scalars)
-        if _load_cached(key, outputs, self):
+        if _load_cached(key, outputs, self):  # before anything is created: a read-only cache serves hits
             return
+        kernel = self._kernel(x.device.type, name, tiles.nbuffer)
+        pypto_compat.ensure_calculator()  # a first build says so on the terminal, not in PyPTO's log
         scratch = pypto_compat.scratch_dir()
         try:
             with pypto_compat.quiet(scratch / "pypto.log"):
@@ -278,24 +281,48 @@ def _cache_key(name, tiles, inputs, outputs, scalars) -> str:
     return h.hexdigest()[:32]
 
 
+_RUN_FIELDS = {"estimated_us": float, "hub_us": float, "level": str, "verdicts": dict, "tiles": str}
+
+
 def _load_cached(key: str, outputs: list, backend: PyptoBackend) -> bool:
+    """Serve a call from its cache entry if the entry is a regular file holding exactly what a run
+    stores (outputs of the right shapes and dtypes, every RunInfo field with its type); anything else
+    is a miss, recomputed and overwritten. Opening only regular files: a FIFO would block forever."""
     path = _results_dir() / f"{key}.pt"
-    if not path.exists():
-        return False
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
         saved = torch.load(path, weights_only=True)
-        for out, value in zip(outputs, saved["outputs"]):
-            out.copy_(value)
-    except Exception:  # noqa: BLE001 - a damaged entry is recomputed, never trusted
+        values, run = saved["outputs"], dict(saved["run"])
+        if set(run) != set(_RUN_FIELDS) or len(values) != len(outputs):
+            return False
+        for name, kind in _RUN_FIELDS.items():
+            if kind is float and isinstance(run[name], int) and not isinstance(run[name], bool):
+                run[name] = float(run[name])
+            if not isinstance(run[name], kind):
+                return False
+        if any(v.shape != o.shape or v.dtype != o.dtype for v, o in zip(values, outputs)):
+            return False
+    except Exception:  # noqa: BLE001 - a missing or damaged entry is recomputed, never trusted
         return False
-    backend.last_run = RunInfo(**{**saved["run"], "cached": True})
+    for out, value in zip(outputs, values):
+        out.copy_(value)
+    backend.last_run = RunInfo(**run, cached=True)
     return True
 
 
 def _store_cached(key: str, outputs: list, run: RunInfo) -> None:
-    _results_dir().mkdir(parents=True, exist_ok=True)
-    with files.atomic_path(_results_dir() / f"{key}.pt") as tmp:
-        torch.save({"outputs": [o.clone() for o in outputs], "run": asdict(run)}, tmp)
+    """Cache a verified result; a cache that cannot be written (read-only, full, a directory in the
+    way) costs the next call a recompute, not this result: it warns and goes on."""
+    path = _results_dir() / f"{key}.pt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with files.atomic_path(path) as tmp:
+            torch.save({"outputs": [o.clone() for o in outputs],
+                        "run": {k: v for k, v in asdict(run).items() if k in _RUN_FIELDS}}, tmp)
+    except OSError as e:
+        warnings.warn(f"pypto-gym: PyPTO result not cached ({path}: {e.strerror or type(e).__name__}); "
+                      f"the next identical call recompiles", RuntimeWarning, stacklevel=2)
 
 
 register(PyptoBackend())

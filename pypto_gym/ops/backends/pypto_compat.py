@@ -91,11 +91,20 @@ def cache_dir() -> Path:
     return base() / f"pypto-{installed_version()}"
 
 
+_scratch: list = []
+
+
 def scratch_dir() -> Path:
-    """Where PyPTO writes its per-run output (kernels, swimlanes, logs); cleaned after each call."""
-    path = cache_dir() / "runs" / str(os.getpid())
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Where PyPTO writes its per-run output (kernels, swimlanes, logs); cleaned after each call. In the
+    cache, or in a temporary folder where the cache cannot be written (a read-only CI volume)."""
+    if not _scratch:
+        path = cache_dir() / "runs" / str(os.getpid())
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            path = Path(tempfile.mkdtemp(prefix="pypto_gym-runs-"))
+        _scratch.append(path)
+    return _scratch[0]
 
 
 def _setup_verify_data_cpu(pto_tensors) -> None:
