@@ -24,6 +24,7 @@ def test_a_stale_lock_from_a_killed_build_is_removed_not_waited_on():
     """torch's FileBaton `lock` left by a killed build used to make every later first use hang."""
     folder = cpu.build_dir(hardware.best_isa())
     cpu.build(hardware.best_isa())  # make sure the kernels exist, so the run below only loads them
+    (folder / cpu.COMPLETE).unlink()  # a killed build never wrote its completion mark
     (folder / "lock").write_text("")
     code = "from pypto_gym.ops import registry; print(registry.get('cpu').unavailable_reason())"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -47,3 +48,24 @@ def test_the_level_follows_the_cpu(monkeypatch, flags, level):
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
     assert hardware.best_isa() == level
     assert hardware.native_bf16() is False
+
+
+def test_a_complete_build_loads_from_a_read_only_cache():
+    """A pre-built cache on a read-only volume: loading must not open the lock (or anything) for writing."""
+    cpu.build(hardware.best_isa())
+    code = ("import pypto_gym.ops.backends.cpu as cpu\n"
+            "def read_only(*a, **k):\n"
+            "    raise OSError(30, 'Read-only file system')\n"
+            "cpu.build_lock = read_only\n"
+            "from pypto_gym.ops import registry\n"
+            "print(registry.get('cpu').unavailable_reason())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stdout + proc.stderr
+
+
+def test_the_build_folder_is_keyed_by_content_not_by_install_path(monkeypatch):
+    import torch
+
+    here = cpu.build_dir("avx2")
+    monkeypatch.setattr(torch, "__file__", "/another/clone/.venv/lib/torch/__init__.py")
+    assert cpu.build_dir("avx2") == here

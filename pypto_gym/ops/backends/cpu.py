@@ -50,11 +50,31 @@ def cache_dir() -> Path:
 
 
 def build_dir(isa: str) -> Path:
-    import torch
-
+    """The build folder, keyed by content (source, flags, torch and Python versions), never by where
+    they are installed: two clones or venvs with the same source and torch share one build."""
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS + ISA_FLAGS[isa]), torch.__version__,
-                                    torch.__file__, sys.version]).encode()).hexdigest()[:16]
+                                    str(torch.version.git_version), sys.version]).encode()).hexdigest()[:16]
     return cache_dir() / f"cpu_kernels-{isa}-{key}"
+
+
+COMPLETE = ".pypto_gym.complete"  # written last, after a build that loaded: the folder is safe to load as is
+
+
+def _load_complete(folder: Path, name: str):
+    """Import a finished build without writing anything (no lock: a pre-built cache may be read-only)."""
+    import importlib.machinery
+    import importlib.util
+
+    if not (folder / COMPLETE).is_file():
+        return None
+    if name in sys.modules:
+        return sys.modules[name]
+    loader = importlib.machinery.ExtensionFileLoader(name, str(folder / f"{name}.so"))
+    spec = importlib.util.spec_from_file_location(name, loader.path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    sys.modules[name] = module
+    return module
 
 
 @contextlib.contextmanager
@@ -116,13 +136,17 @@ def build(isa: str):
     from torch.utils.cpp_extension import load
 
     folder = build_dir(isa)
-    with build_lock(folder):
-        if not any(folder.glob("*.so")):
-            print(f"pypto-gym: building the fused CPU kernels for {isa} (once per machine, ~1 min)...",
-                  file=sys.stderr, flush=True)
-        with _package_ninja():
-            module = load(name=f"pypto_gym_cpu_{isa}", sources=[str(SOURCE)], build_directory=str(folder),
-                          extra_cflags=CFLAGS + ISA_FLAGS[isa], extra_ldflags=["-fopenmp"], verbose=False)
+    name = f"pypto_gym_cpu_{isa}"
+    module = _load_complete(folder, name)
+    if module is None:
+        with build_lock(folder):
+            if not any(folder.glob("*.so")):
+                print(f"pypto-gym: building the fused CPU kernels for {isa} (once per machine, ~1 min)...",
+                      file=sys.stderr, flush=True)
+            with _package_ninja():
+                module = load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
+                              extra_cflags=CFLAGS + ISA_FLAGS[isa], extra_ldflags=["-fopenmp"], verbose=False)
+            (folder / COMPLETE).write_text(isa + "\n")
     if module.isa() != isa:
         raise RuntimeError(f"cpu kernels in {folder} were compiled for {module.isa()}, not {isa}")
     return module
