@@ -166,7 +166,7 @@ def cmd_capture(args) -> int:
     options = patch_options(args)
     out = files.check_writable(args.out, "--out")  # before the model is built and run, not after
     if out.exists() and not args.no_merge:
-        load_cases(out, max_elements=None)  # an existing --out must be a case file to merge into
+        load_cases(out, max_elements=None, allow_empty=True)  # an existing --out must be a case file
     image_paths = args.image or [str(SAMPLE_IMAGE), str(DOCUMENT_IMAGE)]
     images = [open_image(p) for p in image_paths]
     prompts = args.prompt or ["Read the text in the image."]
@@ -222,6 +222,7 @@ def cmd_calibrate(args) -> int:
 
 def cmd_cases_run(args) -> int:
     from . import files
+    from .capture.cases import printable
     from .capture.runner import format_table, run_file
 
     if args.max_elements < 1:
@@ -232,8 +233,8 @@ def cmd_cases_run(args) -> int:
 
     def progress(i, n, row):
         if not args.quiet:
-            print(f"[{i}/{n}] {row['id']} {row['result']} ({time.perf_counter() - start:.0f} s)", file=sys.stderr,
-                  flush=True)
+            print(f"[{i}/{n}] {printable(row['id'])} {row['result']} ({time.perf_counter() - start:.0f} s)",
+                  file=sys.stderr, flush=True)
 
     rows = run_file(args.file, args.backend, args.repeat, progress, args.max_elements)
     print(format_table(rows))

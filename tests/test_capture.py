@@ -125,6 +125,10 @@ MALFORMED = [  # (mutation, field named, words of the message)
     (lambda c: (_quant(c), c["input"].update(dst_type=None)), "input.dst_type", "got None"),
     (lambda c: (_quant(c), c["input"]["weight"].update(dtype="float32")), "input.weight.dtype",
      "the quant ops need torch.bfloat16"),
+    (lambda c: c["input"].update(eps={"value": 10 ** 400}), "input.eps.value", "expected a finite number"),
+    (lambda c: c.update(rtol="abc"), "rtol", "got 'abc'; expected a finite number >= 0"),
+    (lambda c: c.update(atol=-1), "atol", "got -1; expected a finite number >= 0"),
+    (lambda c: c.update(count="x"), "count", "got 'x'; expected an int >= 0"),
 ]
 
 
@@ -205,3 +209,26 @@ def test_captured_case(path, case, backend):
     row = run_case(case, backend, repeat=0)
     assert row["passed"], row["reason"]
     assert row["backend"] == backend and not row["fallbacks"]
+
+
+def test_a_file_without_cases_is_refused(tmp_path, capsys):
+    from pypto_gym.cli import main
+
+    path = tmp_path / "empty.json"
+    path.write_text('{"test_cases": []}')
+    assert main(["cases", "run", str(path)]) == 2
+    assert "field 'test_cases': the list is empty; expected at least one case" in capsys.readouterr().err
+
+
+def test_case_ids_are_printed_escaped(tmp_path, capsys):
+    from pypto_gym.cli import main
+
+    doc = json.loads(CASE_FILES[0].read_text())
+    doc["test_cases"] = doc["test_cases"][:1]
+    doc["test_cases"][0]["id"] = "a\x1b[2K\rrms_norm_001 PASS"  # would erase the line and paint a PASS
+    path = tmp_path / "ids.json"
+    path.write_text(json.dumps(doc))
+    main(["cases", "run", str(path), "--repeat", "0"])
+    out = capsys.readouterr()
+    assert "\x1b" not in out.out + out.err and "\r" not in out.out + out.err
+    assert "a\\x1b[2K\\rrms_norm_001 PASS" in out.out

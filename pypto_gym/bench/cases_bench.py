@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..capture.cases import build_inputs, call_args, load_cases
+from ..capture.cases import build_inputs, call_args, load_cases, printable
 from ..ops import registry
 from .timing import interleaved_medians, save_plot, write_json
 
@@ -59,7 +59,7 @@ def run_cases(path, backends=("torch", "cpu"), rounds=9, json_path=None) -> int:
                 row["est_npu_us"], row["pypto_note"] = _pypto_estimate(case, args, kwargs)
             rows.append(row)
             shape = str(tuple(next(iter(case["inputs"].values()))[0]))
-            line = f"{case['id']:<18} {case['op']:<13} {shape:<20} " + " ".join(f"{row[b + '_us']:>11.1f}" for b in timed)
+            line = f"{printable(case['id']):<18} {case['op']:<13} {shape:<20} " + " ".join(f"{row[b + '_us']:>11.1f}" for b in timed)
             if {"cpu", "torch"} <= set(timed):
                 line += f" {row['torch_us'] / row['cpu_us']:>11.1f}x"
             if "pypto" in backends:
@@ -126,7 +126,7 @@ def run_pypto(path, json_path=None, png_path=None, tune=False) -> int:
                    "description": case["description"], "bytes": nbytes, "hbm_bound_us": bound, "note": note}
             if run is None:
                 rows.append({**row, "est_npu_us": None, "goals": ["FAIL"]})
-                print(f"{case['id']:<18} {case['op']:<13} {case.get('phase', ''):<8} {shape:<16} fallback: {note}")
+                print(f"{printable(case['id']):<18} {case['op']:<13} {case.get('phase', ''):<8} {shape:<16} fallback: {note}")
                 continue
             est = run.estimated_us
             unfused = _unfused_estimate(case, inputs) if case["op"] == "add_rms_norm" else None
@@ -134,7 +134,7 @@ def run_pypto(path, json_path=None, png_path=None, tune=False) -> int:
             rows.append({**row, "est_npu_us": est, "hub_us": run.hub_us, "level": run.level, "tiles": run.tiles,
                          "hbm_fraction": bound / est, "unfused_add_then_norm_us": unfused, "goals": goals})
             tail = f" {unfused:>12.2f} {goals[1]:<5}" if unfused is not None else ""
-            print(f"{case['id']:<18} {case['op']:<13} {case.get('phase', ''):<8} {shape:<16} {est:>8.2f} "
+            print(f"{printable(case['id']):<18} {case['op']:<13} {case.get('phase', ''):<8} {shape:<16} {est:>8.2f} "
                   f"{run.hub_us:>7.2f} {bound:>9.2f} {bound / est:>8.1%} {run.tiles:<18} {goals[0]:<5}{tail}",
                   flush=True)
     passed = sum(g == "PASS" for r in rows for g in r["goals"])

@@ -46,6 +46,22 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _finite_number(v) -> bool:
+    """An int or float that is finite as a float (a 401-digit integer is not: float() overflows)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def printable(text: str) -> str:
+    """A case id (or any file-provided text) safe to print: control and other unprintable characters
+    escaped, so an id cannot repaint the terminal (e.g. a fake PASS written over a FAIL)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def _tensor_spec(path, cid, field, spec, allowed=FLOAT_NAMES, max_elements=MAX_ELEMENTS):
     if not isinstance(spec, dict) or "shape" not in spec or "dtype" not in spec:
         raise _err(path, cid, field, "expected {\"shape\": [...], \"dtype\": ...}")
@@ -126,8 +142,7 @@ def validate_case(case: dict, path="<cases>", max_elements=MAX_ELEMENTS) -> dict
         raise _err(path, cid, "input.smooth_scale2", "given without smooth_scale1")
 
     def check_eps(v):
-        if not (isinstance(v, (int, float)) and not isinstance(v, bool)) or not math.isfinite(v) or v < 0 \
-                or (quant and v == 0):
+        if not _finite_number(v) or v < 0 or (quant and v == 0):
             raise _err(path, cid, "input.eps.value", f"got {v!r}; expected a finite number "
                                                      f"{'> 0 (quant ops)' if quant else '>= 0'}")
         return float(v)
@@ -148,6 +163,11 @@ def validate_case(case: dict, path="<cases>", max_elements=MAX_ELEMENTS) -> dict
     unknown = set(norm["outputs"]) - set(outputs)
     if unknown:
         raise _err(path, cid, "output", f"unknown outputs {sorted(unknown)}; expected {list(outputs)}")
+    for field in ("rtol", "atol"):
+        if field in case and (not _finite_number(case[field]) or case[field] < 0):
+            raise _err(path, cid, field, f"got {case[field]!r}; expected a finite number >= 0")
+    if "count" in case and (not _is_int(case["count"]) or case["count"] < 0):
+        raise _err(path, cid, "count", f"got {case['count']!r}; expected an int >= 0")
     norm["phase"], norm["sites"] = case.get("phase", ""), sites
     norm["description"] = case.get("description", "")
     return norm
@@ -174,13 +194,16 @@ def read_json(path):
         raise CaseError(f"{p}: cannot be read ({e.strerror or type(e).__name__})") from None
 
 
-def load_cases(path, max_elements=MAX_ELEMENTS) -> list[dict]:
-    """Read and validate a case file; raises CaseError (never a bare traceback) on a malformed one."""
+def load_cases(path, max_elements=MAX_ELEMENTS, allow_empty: bool = False) -> list[dict]:
+    """Read and validate a case file; raises CaseError (never a bare traceback) on a malformed one, and on
+    one with no cases unless `allow_empty` (a file to merge new cases into)."""
     p = Path(path)
     data = read_json(p)
     if not isinstance(data, dict) or not isinstance(data.get("test_cases"), list):
         raise CaseError(f"{p}: field 'test_cases': missing or not a list (expected a pypto-gym case file: "
                         f"{{\"test_cases\": [...]}})")
+    if not data["test_cases"] and not allow_empty:
+        raise CaseError(f"{p}: field 'test_cases': the list is empty; expected at least one case")
     cases = [validate_case(c, p, max_elements) for c in data["test_cases"]]
     seen = set()
     for c in cases:

@@ -128,7 +128,7 @@ class ShapeRecorder:
         new = self.cases(seed)
         cases, added = new, len(new)
         if merge and p.exists():
-            load_cases(p, max_elements=None)  # refuse to merge into something that is not a case file
+            load_cases(p, max_elements=None, allow_empty=True)  # refuse to merge into a non-case file
             existing = read_json(p)
             cases = existing["test_cases"]
             have = {case_key(c) for c in cases}

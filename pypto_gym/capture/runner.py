@@ -14,7 +14,7 @@ import torch
 from .. import config, ops
 from ..ops import reference, registry
 from ..precision import compare_outputs
-from .cases import MAX_ELEMENTS, OP_SCHEMA, build_inputs, call_args, load_cases
+from .cases import MAX_ELEMENTS, OP_SCHEMA, build_inputs, call_args, load_cases, printable
 
 
 def _median_call_us(fn, repeat: int) -> float:
@@ -90,7 +90,8 @@ def format_table(rows: list[dict]) -> str:
         if est:
             est_cell = (f" {r['est_npu_us']:>11.2f} {r['level']:<8}" if r.get("est_npu_us") is not None
                         else f" {'':>11} {'':<8}")
-        lines.append(f"{r['id']:<22} {r['description'][:58]:<58} {r['backend'] or '':<7} {r['max_abs']:>9.3g} "
+        lines.append(f"{printable(r['id']):<22} {printable(r['description'])[:58]:<58} {r['backend'] or '':<7} "
+                     f"{r['max_abs']:>9.3g} "
                      f"{r['cosine']:>9.6f} {r['mere']:>9.2e} {r['mare']:>9.2e} {r['us_per_call']:>9.1f}"
                      f"{est_cell}  {result}")
     lines.append(summary(rows))
