@@ -7,8 +7,8 @@
 from . import config, ops
 from .capture import ShapeRecorder
 from .config import is_enabled, is_strict, set_enabled, set_strict
-from .patching import PatchError, patch_model, patch_report, patched, unpatch_model
+from .patching import NoSitesError, PatchError, patch_model, patch_report, patched, unpatch_model
 
 __version__ = "0.2.0"
 __all__ = ["ops", "config", "ShapeRecorder", "patch_model", "unpatch_model", "patched", "patch_report",
-           "set_enabled", "is_enabled", "set_strict", "is_strict", "PatchError"]
+           "set_enabled", "is_enabled", "set_strict", "is_strict", "PatchError", "NoSitesError"]

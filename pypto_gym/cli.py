@@ -19,6 +19,30 @@ class UserError(Exception):
     """A problem with what the user passed: printed as one line, no traceback."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (no usage block) and exit status 2, like every other refusal."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _int_at_least(low: int):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected an integer >= {low}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"got {value}; expected an integer >= {low}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+POSITIVE, NON_NEGATIVE = _int_at_least(1), _int_at_least(0)
+
+
 def _add_model_args(ap, many: bool = False):
     """Model and input flags; with many, --image/--prompt may repeat (capture runs every pair)."""
     ap.add_argument("--model", help="checkpoint directory (default: the embedded tiny Qwen2.5-VL)")
@@ -57,7 +81,7 @@ def patch_options(args) -> dict | None:
     """
     from . import config
     from .ops import registry
-    from .patching import discovery
+    from .patching import api, discovery
 
     use = args.use_pto if args.use_pto is not None else config.env_bool("USE_PTO_RMS_NORM", False)
     if args.calibration is not None and args.quant is None:
@@ -73,23 +97,22 @@ def patch_options(args) -> dict | None:
         backend = registry.env_backend()
     else:
         backend = registry.check_name(args.backend.strip().lower(), "--backend")
-    fuse = args.fuse_residual if args.fuse_residual is not None else config.env_bool("PYPTO_GYM_FUSE_RESIDUAL", True)
-    sites = args.sites if args.sites is not None else os.environ.get("PYPTO_GYM_SITES")
-    return {"backend": backend, "sites": discovery.parse_sites(sites), "fuse_residual": fuse, "quant": args.quant,
-            "calibration": args.calibration}
+    fuse = args.fuse_residual if args.fuse_residual is not None else api.default_fuse_residual()
+    sites = discovery.parse_sites(args.sites, "--sites") if args.sites is not None else api.default_sites()
+    return {"backend": backend, "sites": sites, "fuse_residual": fuse, "quant": args.quant,
+            "calibration": args.calibration, "sites_from": "--sites" if args.sites is not None else "PYPTO_GYM_SITES"}
 
 
 def _patch(model, options, command: str):
-    """Patch with `options`; a --sites filter that selects nothing is an error, not a silent no-op."""
-    from .patching import patch_model
+    """Patch with `options`; a sites selection that matches nothing is refused naming where it came from."""
+    from .patching import NoSitesError, patch_model
 
-    report = patch_model(model, **options)
-    summary = report.to_json()["summary"]
-    if options["sites"] and summary["patched"] == 0:
-        kinds = sorted({r["kind"] for r in report.to_json()["sites"]})
-        raise UserError(f"--sites {','.join(options['sites'])!r} matched none of the {summary['candidates']} norm "
-                        f"sites (kinds here: {', '.join(kinds)})")
-    return report
+    options = dict(options)
+    source = options.pop("sites_from")
+    try:
+        return patch_model(model, **options)
+    except NoSitesError as e:
+        raise UserError(e.describe(source)) from None
 
 
 def _model_dtype(args, device: str) -> str:
@@ -161,8 +184,6 @@ def cmd_capture(args) -> int:
 
     if args.model and args.config:
         raise UserError("--model and --config: give one (a checkpoint, or a config for random weights)")
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size: got {args.batch_size}; expected >= 1")
     options = patch_options(args)
     out = files.check_writable(args.out, "--out")  # before the model is built and run, not after
     if out.exists() and not args.no_merge:
@@ -225,8 +246,6 @@ def cmd_cases_run(args) -> int:
     from .capture.cases import printable
     from .capture.runner import format_table, run_file
 
-    if args.max_elements < 1:
-        raise UserError(f"--max-elements: got {args.max_elements}; expected >= 1")
     if args.json:
         files.check_writable(args.json, "--json")
     start = time.perf_counter()
@@ -280,9 +299,6 @@ def cmd_bench_ops(args) -> int:
 def cmd_bench_e2e(args) -> int:
     from .bench import e2e_bench
 
-    for name in ("num_layers", "vision_depth", "repeats", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; expected >= 1")
     json_path, png_path = _bench_outputs(args, "e2e")
     return e2e_bench.run(args.num_layers, args.vision_depth, args.repeats, args.max_new_tokens, args.image,
                          args.quick, json_path, png_path, args.dtype, args.quant)
@@ -321,13 +337,13 @@ def cmd_bench_w8a8(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pypto-gym", description=__doc__.splitlines()[0])
+    ap = Parser(prog="pypto-gym", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("infer", help="generate with a Qwen2.5-VL-family model and time it")
     _add_model_args(p)
     _add_patch_args(p)
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=16)
     p.add_argument("--report-file", help="write timings (and the patch report) as JSON")
     p.set_defaults(func=cmd_infer)
 
@@ -335,10 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p, many=True)
     _add_patch_args(p)
     p.add_argument("--config", help="build random weights from this config (e.g. modeling/gutenocr_3b/config.json)")
-    p.add_argument("--num-layers", type=int, help="with --config: text layers to keep")
-    p.add_argument("--vision-depth", type=int, help="with --config: vision blocks to keep")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=4)
+    p.add_argument("--num-layers", type=POSITIVE, help="with --config: text layers to keep")
+    p.add_argument("--vision-depth", type=POSITIVE, help="with --config: vision blocks to keep")
+    p.add_argument("--batch-size", type=POSITIVE, default=1)
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=4)
     p.add_argument("--model-name", help="the 'model' field of the JSON file")
     p.add_argument("--out", required=True, help="case file to write (merged into if it exists)")
     p.add_argument("--no-merge", action="store_true", help="overwrite --out instead of adding new cases")
@@ -347,10 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="SmoothQuant smooth scales for --quant w8a8, from generate on real inputs")
     _add_model_args(p, many=True)
     p.add_argument("--config", help="build random weights from this config (e.g. modeling/gutenocr_3b/config.json)")
-    p.add_argument("--num-layers", type=int, help="with --config: text layers to keep")
-    p.add_argument("--vision-depth", type=int, help="with --config: vision blocks to keep")
+    p.add_argument("--num-layers", type=POSITIVE, help="with --config: text layers to keep")
+    p.add_argument("--vision-depth", type=POSITIVE, help="with --config: vision blocks to keep")
     p.add_argument("--alpha", type=float, default=0.5, help="migration strength: s = max|X|^a / max|W|^(1-a)")
-    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=8)
     p.add_argument("--out", required=True, help="calibration file to write (.safetensors)")
     p.set_defaults(func=cmd_calibrate)
 
@@ -359,9 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = cases_sub.add_parser("run", help="run every case against the golden; exit 1 on any failure")
     r.add_argument("file")
     r.add_argument("--backend", default="auto")
-    r.add_argument("--repeat", type=int, default=5, help="timed calls per case (median reported)")
+    r.add_argument("--repeat", type=NON_NEGATIVE, default=5, help="timed calls per case (median reported)")
     r.add_argument("--json", help="write the rows as JSON")
-    r.add_argument("--max-elements", type=int, default=MAX_ELEMENTS,
+    r.add_argument("--max-elements", type=POSITIVE, default=MAX_ELEMENTS,
                    help=f"refuse cases with a tensor above this many elements (default {MAX_ELEMENTS:,})")
     r.add_argument("--quiet", action="store_true", help="no progress line per case on stderr")
     r.set_defaults(func=cmd_cases_run)
@@ -371,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = bench_sub.add_parser("ops", help="each op vs HF eager, the torch reference and clone()")
     b.add_argument("--dtypes", default="bfloat16", help="comma list of bfloat16,float16,float32")
     b.add_argument("--quick", action="store_true", help="fewer shapes")
-    b.add_argument("--rounds", type=int, default=15, help="interleaved rounds per shape (median reported)")
+    b.add_argument("--rounds", type=POSITIVE, default=15, help="interleaved rounds per shape (median reported)")
     b.add_argument("--no-pin-allocator", action="store_true",
                    help="time with glibc's default mmap/trim behaviour (page faults make large shapes bimodal)")
     b.add_argument("--isa", default="best", help="cpu kernel levels to time: best (default), all, or a comma list "
@@ -380,10 +396,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--png", help=f"default: {BENCH_OUT}/ops.png")
     b.set_defaults(func=cmd_bench_ops)
     b = bench_sub.add_parser("e2e", help="end to end at GutenOCR-3B dims: unpatched vs patched variants")
-    b.add_argument("--num-layers", type=int, default=4)
-    b.add_argument("--vision-depth", type=int, default=4)
-    b.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median reported)")
-    b.add_argument("--max-new-tokens", type=int, default=16)
+    b.add_argument("--num-layers", type=POSITIVE, default=4)
+    b.add_argument("--vision-depth", type=POSITIVE, default=4)
+    b.add_argument("--repeats", type=POSITIVE, default=3, help="interleaved rounds (median reported)")
+    b.add_argument("--max-new-tokens", type=POSITIVE, default=16)
     b.add_argument("--image", help="default: the document page in modeling/gutenocr_3b/")
     b.add_argument("--quick", action="store_true", help="2 layers, 2 blocks, 2 rounds, 8 tokens")
     b.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
@@ -395,11 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
     b = bench_sub.add_parser("cases", help="every captured case timed per backend (+ pypto's NPU estimate)")
     b.add_argument("file")
     b.add_argument("--backends", default="torch,cpu", help="comma list, e.g. torch,cpu,pypto")
-    b.add_argument("--rounds", type=int, default=9)
+    b.add_argument("--rounds", type=POSITIVE, default=9)
     b.add_argument("--json", default=None)
     b.set_defaults(func=cmd_bench_cases)
     b = bench_sub.add_parser("gemm", help="int8 GEMM candidates vs bf16 F.linear (decode and prefill shapes)")
-    b.add_argument("--rounds", type=int, default=9)
+    b.add_argument("--rounds", type=POSITIVE, default=9)
     b.add_argument("--json", help=f"default: {BENCH_OUT}/gemm.json")
     b.add_argument("--png", help=f"default: {BENCH_OUT}/gemm.png")
     b.set_defaults(func=cmd_bench_gemm)
@@ -425,6 +441,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        # every file is written atomically at the end of a command: an interrupted one wrote nothing
+        print(f"pypto-gym {args.command}: interrupted; nothing written", file=sys.stderr)
+        return 130
     except (UserError, OSError, ValueError, TypeError, RuntimeError) as e:
         if os.environ.get("PYPTO_GYM_DEBUG"):
             raise

@@ -55,6 +55,20 @@ def env_choice(name: str, default: str, choices) -> str:
     return text
 
 
+def env_text(name: str) -> str | None:
+    """A text variable, trimmed; unset or empty (after trimming) means None, i.e. the default."""
+    value = os.environ.get(name)
+    return value.strip() if value is not None and value.strip() else None
+
+
+def cache_dir():
+    """Where compiled kernels and PyPTO results are cached: $PYPTO_GYM_CACHE, else ~/.cache/pypto_gym
+    (an empty value means the default, as for every variable: never the current directory)."""
+    from pathlib import Path
+
+    return Path(env_text("PYPTO_GYM_CACHE") or Path.home() / ".cache" / "pypto_gym")
+
+
 class _State:
     """The cached switches. `enabled` is read by every patched norm on every call."""
 

@@ -232,3 +232,16 @@ def test_case_ids_are_printed_escaped(tmp_path, capsys):
     out = capsys.readouterr()
     assert "\x1b" not in out.out + out.err and "\r" not in out.out + out.err
     assert "a\\x1b[2K\\rrms_norm_001 PASS" in out.out
+
+
+def test_merging_into_a_file_whose_ids_end_in_other_digits(tiny_loaded, sample_inputs, tmp_path):
+    model, _ = tiny_loaded
+    path = tmp_path / "cases.json"
+    capture(model, sample_inputs).save(path, model_name="tiny")
+    doc = json.loads(path.read_text())
+    doc["test_cases"] = doc["test_cases"][:1]
+    doc["test_cases"][0]["id"] = "rms_norm_\u00b2"  # a superscript two: a digit, not an ASCII one
+    path.write_text(json.dumps(doc))
+    info = capture(model, sample_inputs).save(path)
+    ids = [c["id"] for c in json.loads(path.read_text())["test_cases"]]
+    assert info["added"] > 0 and len(set(ids)) == len(ids) and ids[0] == "rms_norm_\u00b2"

@@ -94,7 +94,7 @@ def test_infer_backend_flag_is_normalised(capsys, monkeypatch):
 
 def test_a_sites_glob_that_matches_nothing_is_an_error(capsys):
     rc, stdout, err, _ = run_cli(capsys, "infer", "--use_pto", "--sites", "txet.*", "--max-new-tokens", "1")
-    one_line_error(rc, err, "--sites 'txet.*' matched none of the 18 norm sites", "text.input_layernorm")
+    one_line_error(rc, err, "--sites: 'txet.*' matched none of the 18 sites", "text.input_layernorm")
     assert "generated:" not in stdout
 
 
@@ -111,10 +111,10 @@ def test_environment_switches_are_parsed_by_one_rule(monkeypatch):
     monkeypatch.setenv("PYPTO_GYM_SITES", "text.*")
     monkeypatch.setenv("PYPTO_GYM_FUSE_RESIDUAL", "off")
     assert patch_options(parse()) == {"backend": "torch", "sites": ["text.*"], "fuse_residual": False,
-                                      "quant": None, "calibration": None}
+                                      "quant": None, "calibration": None, "sites_from": "PYPTO_GYM_SITES"}
     assert patch_options(parse("--backend", "cpu", "--sites", "vision.*")) == \
         {"backend": "cpu", "sites": ["vision.*"], "fuse_residual": False, "quant": None,
-         "calibration": None}  # a flag beats the environment
+         "calibration": None, "sites_from": "--sites"}  # a flag beats the environment
     monkeypatch.setenv("USE_PTO_RMS_NORM", "0")
     assert patch_options(parse("--use_pto"))["backend"] == "torch"
     monkeypatch.setenv("PYPTO_GYM_BACKEND", "gpu")
@@ -150,3 +150,59 @@ def test_scripts_are_the_same_commands():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_cases.py"), str(ROOT)], capture_output=True,
                          text=True, timeout=300, env={**os.environ, "PYPTO_GYM_STRICT": "0"})
     assert out.returncode == 2 and "Traceback" not in out.stderr and "is a directory" in out.stderr
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["cases", "run", str(CASES), "--repeat", "-1"], "argument --repeat: got -1; expected an integer >= 0"),
+    (["capture", "--out", "x.json", "--config", "c.json", "--num-layers", "-1"],
+     "argument --num-layers: got -1; expected an integer >= 1"),
+    (["calibrate", "--out", "x.safetensors", "--num-layers", "0"], "argument --num-layers: got 0; expected an integer"),
+    (["bench", "ops", "--rounds", "0"], "argument --rounds: got 0; expected an integer >= 1"),
+    (["bench", "gemm", "--rounds", "x"], "argument --rounds: got 'x'; expected an integer >= 1"),
+    (["infer", "--max-new-tokens", "0"], "argument --max-new-tokens: got 0; expected an integer >= 1"),
+    (["infer", "--max-new-tokens", "-1"], "argument --max-new-tokens: got -1"),
+    (["infer", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_numeric_flags_are_checked_before_anything_runs(capsys, argv, needle):
+    t0 = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and time.perf_counter() - t0 < 5
+    one_line_error(2, err, needle)
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"test_cases": []}', "the list is empty"),
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
+    ('{"test_cases": [{"id": "a", "seed": ' + "9" * 100000 + "}]}", "not a case file"),
+])
+def test_unreadable_case_files_are_refused_naming_the_file(capsys, tmp_path, content, needle):
+    path = tmp_path / "odd.json"
+    path.write_text(content)
+    for argv in (["cases", "run", str(path)], ["bench", "pypto", str(path), "--json", str(tmp_path / "p.json"),
+                                                "--png", str(tmp_path / "p.png")]):
+        rc, _, err, _ = run_cli(capsys, *argv)
+        one_line_error(rc, err, str(path), needle)
+
+
+def test_ctrl_c_during_capture_says_nothing_was_written(tmp_path):
+    import signal
+
+    out = tmp_path / "cases.json"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "capture_shapes.py"), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # interrupt once generate runs
+        if "generate" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert "pypto-gym capture: interrupted; nothing written" in err and not out.exists()
+
+
+def test_a_bad_pypto_gym_sites_is_blamed_on_the_variable(capsys, monkeypatch):
+    monkeypatch.setenv("PYPTO_GYM_SITES", "garbage")
+    rc, stdout, err, _ = run_cli(capsys, "infer", "--use_pto", "--max-new-tokens", "1")
+    one_line_error(rc, err, "PYPTO_GYM_SITES: 'garbage' matched none of the")
+    assert "--sites" not in err and "generated:" not in stdout

@@ -290,3 +290,32 @@ def test_deepcopy_of_a_patched_model_is_independent(model32, sample_inputs):
     pypto_gym.unpatch_model(twin)
     assert torch.equal(logits(twin, sample_inputs), expected)
     assert pypto_gym.patch_report(model32) is not None  # the original is still patched
+
+
+def test_a_sites_selection_matching_nothing_is_refused_and_patches_nothing(model32):
+    with pytest.raises(pypto_gym.NoSitesError, match=r"sites: 'nomatch\*' matched none of the 18 sites"):
+        pypto_gym.patch_model(model32, backend="torch", sites=["nomatch*"])
+    assert pypto_gym.patch_report(model32) is None and not any("forward" in m.__dict__ for m in model32.modules())
+
+
+def test_pypto_gym_sites_and_fuse_residual_are_the_python_defaults_too(model32, monkeypatch):
+    monkeypatch.setenv("PYPTO_GYM_SITES", "text.*")
+    monkeypatch.setenv("PYPTO_GYM_FUSE_RESIDUAL", "off")
+    report = pypto_gym.patch_model(model32, backend="torch").to_json()
+    assert report["sites"] and {r["kind"].split(".")[0] for r in report["sites"] if r["status"] == "patched"} == {"text"}
+    assert report["summary"]["fused_layers"] == 0 and report["fuse_residual"] is False
+    pypto_gym.unpatch_model(model32)
+    monkeypatch.setenv("PYPTO_GYM_SITES", "nothing.here")
+    with pytest.raises(pypto_gym.NoSitesError, match="PYPTO_GYM_SITES: 'nothing.here' matched none"):
+        pypto_gym.patch_model(model32, backend="torch")
+    report = pypto_gym.patch_model(model32, backend="torch", sites="vision.*", fuse_residual=True)  # arguments win
+    assert report.to_json()["summary"]["fused_layers"] > 0
+
+
+def test_an_empty_pypto_gym_cache_means_the_default(monkeypatch):
+    from pathlib import Path
+
+    from pypto_gym import config
+
+    monkeypatch.setenv("PYPTO_GYM_CACHE", "  ")
+    assert config.cache_dir() == Path.home() / ".cache" / "pypto_gym"

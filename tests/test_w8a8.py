@@ -323,7 +323,7 @@ def test_calibration_is_deterministic_and_follows_the_smoothquant_formula(tiny_l
     model = tiny_loaded[0]
     expected = {p: m.weight.shape[0] for p, m in model.named_modules() if p.endswith(("norm", "norm1", "norm2",
                                                                                        "layernorm"))}
-    scales = calibration.load(calib_file, expected)
+    scales, _ = calibration.load(calib_file, expected)
     # the formula, from the absmax a recorder collects on the same run
     with ShapeRecorder(model, absmax=True) as rec:  # the CLI's default images
         for image in (SAMPLE_IMAGE, DOCUMENT_IMAGE):
@@ -469,3 +469,12 @@ def test_hooks_editing_in_place_are_honoured_in_w8a8(tiny_loaded, sample_inputs,
     assert float(torch.nn.functional.cosine_similarity(want.flatten(), got.flatten(), 0)) > 0.999
     bypassed = [r["quant"]["bypassed"] for r in report.to_json()["sites"] if r.get("quant")]
     assert any("hooks on the norm or a consumer" in why for b in bypassed for why in b)  # visible in the report
+
+
+def test_a_calibration_file_for_the_whole_model_serves_a_sites_subset(tiny_loaded, calib_file):
+    model = copy.deepcopy(tiny_loaded[0])
+    report = patch_model(model, backend="cpu", quant="w8a8", calibration=calib_file, sites="text.*")
+    q = report.to_json()["w8a8"]
+    assert q["calibration_ignored"] and all(p.startswith("model.visual") for p in q["calibration_ignored"])
+    assert "smooth scales ignored, for norms this patch does not quantise" in str(report)
+    assert all(r["smoothed"] for r in q["linears"] if r["became"] == "w8a8" and "visual" not in r["path"])

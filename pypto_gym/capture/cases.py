@@ -190,6 +190,10 @@ def read_json(path):
         raise CaseError(f"{p}: not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise CaseError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise CaseError(f"{p}: not a case file (JSON nested too deeply to read)") from None
+    except ValueError as e:  # e.g. an integer literal past Python's digit limit
+        raise CaseError(f"{p}: not a case file ({str(e).splitlines()[0][:120]})") from None
     except OSError as e:
         raise CaseError(f"{p}: cannot be read ({e.strerror or type(e).__name__})") from None
 

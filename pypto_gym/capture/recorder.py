@@ -135,7 +135,7 @@ class ShapeRecorder:
             counters = {}
             for c in cases:
                 op, _, num = c["id"].rpartition("_")
-                counters[op] = max(counters.get(op, 0), int(num) if num.isdigit() else 0)
+                counters[op] = max(counters.get(op, 0), int(num) if num.isascii() and num.isdigit() else 0)
             added = 0
             for c in new:
                 if case_key(c) not in have:

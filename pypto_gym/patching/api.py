@@ -21,6 +21,28 @@ class PatchError(ValueError):
     """patch_model refused: the model is already patched differently, or part of it is."""
 
 
+class NoSitesError(PatchError):
+    """A `sites` selection (the argument, or $PYPTO_GYM_SITES) that matches none of the model's sites."""
+
+    def __init__(self, patterns, source: str, candidates: int, kinds):
+        self.patterns, self.source, self.candidates, self.kinds = list(patterns), source, candidates, sorted(kinds)
+        super().__init__(self.describe(source))
+
+    def describe(self, source: str) -> str:
+        return (f"{source}: {','.join(self.patterns)!r} matched none of the {self.candidates} sites of this model "
+                f"(kinds here: {', '.join(self.kinds)}); nothing was patched")
+
+
+def default_sites():
+    """$PYPTO_GYM_SITES, parsed (None when unset): the default of `sites=` here and in the scripts."""
+    return discovery.parse_sites(config.env_text("PYPTO_GYM_SITES"), "PYPTO_GYM_SITES")
+
+
+def default_fuse_residual() -> bool:
+    """$PYPTO_GYM_FUSE_RESIDUAL (default on): the default of `fuse_residual=` here and in the scripts."""
+    return config.env_bool("PYPTO_GYM_FUSE_RESIDUAL", True)
+
+
 class PatchState:
     """What patch_model did to one model, kept on the model so unpatch can undo exactly that."""
 
@@ -49,7 +71,10 @@ def _skipped_row(c: discovery.Candidate, reason: str) -> dict:
 
 
 def _options(backend, sites, fuse_residual, cast_mode, quant_mode=None, calibration=None) -> dict:
-    """The validated patch options; every refusal names the argument."""
+    """The validated patch options; every refusal names the argument. None means the process default
+    ($PYPTO_GYM_BACKEND, $PYPTO_GYM_SITES, $PYPTO_GYM_FUSE_RESIDUAL)."""
+    sites = default_sites() if sites is None else discovery.parse_sites(sites)
+    fuse_residual = default_fuse_residual() if fuse_residual is None else fuse_residual
     if quant_mode is not None and quant_mode not in w8a8.MODES:
         raise ValueError(f"quant: got {quant_mode!r}; expected None or one of {', '.join(map(repr, w8a8.MODES))}")
     if calibration is not None and quant_mode is None:
@@ -59,7 +84,7 @@ def _options(backend, sites, fuse_residual, cast_mode, quant_mode=None, calibrat
         raise TypeError(f"fuse_residual: got {fuse_residual!r} ({type(fuse_residual).__name__}); expected True or False")
     if cast_mode not in validation.CAST_MODES:
         raise ValueError(f"cast_mode: got {cast_mode!r}; expected one of {', '.join(map(repr, validation.CAST_MODES))}")
-    return {"backend": backend, "sites": discovery.parse_sites(sites), "fuse_residual": fuse_residual,
+    return {"backend": backend, "sites": sites, "fuse_residual": fuse_residual,
             "cast_mode": cast_mode, "quant": quant_mode, "calibration": None if calibration is None else str(calibration)}
 
 
@@ -118,13 +143,15 @@ def _execution_device(module) -> str:
     return torch.device(device).type if device is not None else module.weight.device.type
 
 
-def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, fuse_residual: bool = True,
+def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, fuse_residual: bool | None = None,
                 cast_mode: str = "hf", quant: str | None = None, calibration=None) -> PatchReport:
     """Swap every RMSNorm site of `model` for the fused op; returns the live report.
 
     backend: "auto" (default, or $PYPTO_GYM_BACKEND), "torch", "cpu", "npu" or "pypto".
-    sites: globs over kinds or paths ("text.*,vision.merger.ln_q" or a list); None = every site.
-    fuse_residual: also fuse `residual + h` into the following norm where the layer is recognised.
+    sites: globs over kinds or paths ("text.*,vision.merger.ln_q" or a list); None = $PYPTO_GYM_SITES,
+      else every site. A selection that matches no site is refused (NoSitesError), nothing patched.
+    fuse_residual: also fuse `residual + h` into the following norm where the layer is recognised
+      (None = $PYPTO_GYM_FUSE_RESIDUAL, else True).
     quant: "w8a8" also turns the linears that read a patched norm's rows into int8 linears fed by
       the fused norm + dynamic quant ops (pypto_gym.quant); None (default) keeps them float.
     calibration: with quant, a smooth-scale file from scripts/calibrate.py (SmoothQuant); without
@@ -146,7 +173,11 @@ def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, 
     _refuse_nested(model)
     state = PatchState(options)
     patterns = options["sites"]
-    for cand in discovery.find_candidates(model):
+    candidates = discovery.find_candidates(model)
+    if patterns and not any(c.is_rms and discovery.selected(c, patterns) for c in candidates):
+        raise NoSitesError(patterns, "sites" if sites is not None else "PYPTO_GYM_SITES", len(candidates),
+                           {c.kind for c in candidates})
+    for cand in candidates:
         if not cand.is_rms:
             state.entries.append(_skipped_row(cand, cand.reason))
         elif not discovery.selected(cand, patterns):
@@ -158,8 +189,9 @@ def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, 
     try:
         _say_unavailable(state)
         if quant is not None:
-            state.quant = w8a8.install(model, state.sites, options["backend"], calibration)
-        if fuse_residual:
+            state.quant = w8a8.install(model, state.sites, options["backend"], calibration,
+                                       [p for c in candidates if c.is_rms for p in c.paths])
+        if options["fuse_residual"]:
             _fuse_layers(model, state)
     except BaseException:
         _undo(state)

@@ -133,7 +133,7 @@ def selected(candidate: Candidate, patterns: list[str] | None) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for name in names for p in patterns)
 
 
-def parse_sites(sites) -> list[str] | None:
+def parse_sites(sites, argument: str = "sites") -> list[str] | None:
     """`sites=`: None, a comma-separated string of globs, or a list/tuple of glob strings."""
     if sites is None:
         return None
@@ -142,7 +142,7 @@ def parse_sites(sites) -> list[str] | None:
     elif isinstance(sites, (list, tuple)) and all(isinstance(s, str) for s in sites):
         items = list(sites)
     else:
-        raise TypeError(f"sites: got {sites!r} ({type(sites).__name__}); expected None, a comma-separated string "
+        raise TypeError(f"{argument}: got {sites!r} ({type(sites).__name__}); expected None, a comma-separated string "
                         f"of globs, or a list of glob strings")
     items = [s.strip() for s in items if s.strip()]
     return items or None

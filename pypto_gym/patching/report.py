@@ -83,6 +83,9 @@ def _w8a8_lines(q: dict) -> list[str]:
              f"{s['releasable_float_bytes'] / 2 ** 20:.1f} MB of them not shared with other modules)"]
     for r in q["skipped_norms"]:
         lines.append(f"norm {r['path']} stays float: {r['reason']}")
+    if q["calibration_ignored"]:
+        lines.append(f"calibration: {len(q['calibration_ignored'])} smooth scales ignored, for norms this patch does "
+                     f"not quantise ({', '.join(q['calibration_ignored'][:3])}{', ...' if len(q['calibration_ignored']) > 3 else ''})")
     w = max([len(r["path"]) for r in q["linears"]] + [20])
     header = f"{'linear':<{w}} {'became':<9} {'backend':<10} {'calls':>6}  input / fallbacks"
     lines += [header, "-" * len(header)]

@@ -65,8 +65,11 @@ def save(path, scales: dict, alpha: float, model_type: str, inputs: list[str]) -
     files.write_bytes(path, data)
 
 
-def load(path, expected: dict, model_type: str | None = None) -> dict:
-    """{norm path: s} from a calibration file, checked against `expected` {norm path: D} and the model type."""
+def load(path, expected: dict, model_type: str | None = None, known=()) -> tuple[dict, list]:
+    """({norm path: s}, [ignored norm paths]) from a calibration file, checked against `expected`
+    {norm path: D} (the norms being quantised) and the model type. Tensors for `known` norms of the
+    model that are not being quantised (a `sites=` subset) are ignored and listed; a tensor naming
+    a module the model does not have is refused."""
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load as load_bytes
 
@@ -84,11 +87,14 @@ def load(path, expected: dict, model_type: str | None = None) -> dict:
     if model_type is not None and info.get("model_type") != model_type:
         raise ValueError(f"{where}: metadata model_type {info.get('model_type')!r}; this model is {model_type!r} "
                          f"(a file made for another model?)")
-    out = {}
+    out, ignored = {}, []
     examples = ", ".join(repr(n) for n in sorted(expected)[:2])
     for name in sorted(tensors):
         t = tensors[name]
         norm = name[:-len(SUFFIX)] if name.endswith(SUFFIX) else None
+        if norm in known and norm not in expected:
+            ignored.append(norm)
+            continue
         if norm not in expected:
             raise ValueError(f"{where}: tensor {name!r} names no quantised norm of this model (a file made for "
                              f"another model? this one's norms are like {examples})")
@@ -107,7 +113,7 @@ def load(path, expected: dict, model_type: str | None = None) -> dict:
     if missing:
         raise ValueError(f"{where}: no tensor {missing[0] + SUFFIX!r} for norm {missing[0]} ({len(missing)} of "
                          f"{len(expected)} norms missing; a file made for another model?)")
-    return out
+    return out, ignored
 
 
 def _metadata(where: str, metadata: dict) -> dict:

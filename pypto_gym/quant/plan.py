@@ -55,6 +55,7 @@ class QuantPlan:
         self.linears: list[QuantLinear] = []
         self.float_linears: list[dict] = []
         self.skipped_norms: list[dict] = []
+        self.calibration_ignored: list[str] = []  # norms of the file this patch does not quantise
 
     def uninstall(self, sites) -> None:
         for ql in self.linears:
@@ -75,11 +76,13 @@ class QuantPlan:
                             "releasable_float_bytes": sum(r["float_weight_bytes"] for r in q
                                                           if not r["float_weight_shared"]),
                             "int8_weight_bytes": sum(r["int8_weight_bytes"] for r in q)},
-                "skipped_norms": [dict(r) for r in self.skipped_norms], "linears": rows}
+                "skipped_norms": [dict(r) for r in self.skipped_norms],
+                "calibration_ignored": list(self.calibration_ignored), "linears": rows}
 
 
-def install(model, sites, backend: str, calibration_path=None) -> QuantPlan:
-    """Quantise the linears after every patched norm that has some; returns the plan (uninstall undoes it)."""
+def install(model, sites, backend: str, calibration_path=None, known_norms=()) -> QuantPlan:
+    """Quantise the linears after every patched norm that has some; returns the plan (uninstall undoes it).
+    `known_norms`: every norm path of the model, patched or not (a calibration file may cover them all)."""
     plan = QuantPlan(None if calibration_path is None else str(calibration_path))
     fed = {}
     for site in sites:
@@ -90,8 +93,9 @@ def install(model, sites, backend: str, calibration_path=None) -> QuantPlan:
             plan.skipped_norms.append({"path": site.path, "reason": "; ".join(f"{p}: {r}" for p, r in missing)})
     smooth = {}
     if calibration_path is not None:
-        smooth = calibration.load(calibration_path, {s.path: s.module.weight.shape[0] for s in fed},
-                                  getattr(getattr(model, "config", None), "model_type", None))
+        smooth, plan.calibration_ignored = calibration.load(
+            calibration_path, {s.path: s.module.weight.shape[0] for s in fed},
+            getattr(getattr(model, "config", None), "model_type", None), set(known_norms))
         for site, found in fed.items():
             where = f"calibration {calibration_path}: tensor '{site.path}{calibration.SUFFIX}'"
             calibration.check_reciprocal(where, smooth[site.path], site.module.weight.dtype)

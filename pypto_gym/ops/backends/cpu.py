@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ... import hardware
+from ... import config, hardware
 from ..reference import QUANT_RANGES
 from ..registry import GAMMA_INDEX, Backend, register
 from ..validation import FLOAT_DTYPES
@@ -45,16 +45,12 @@ LOCK_WAIT_S = 900  # a live build takes under a minute; past this, say so instea
 MODES = {"hf": 0, "fp32": 1, "none": 2}
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("PYPTO_GYM_CACHE", Path.home() / ".cache" / "pypto_gym"))
-
-
 def build_dir(isa: str) -> Path:
     """The build folder, keyed by content (source, flags, torch and Python versions), never by where
     they are installed: two clones or venvs with the same source and torch share one build."""
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS + ISA_FLAGS[isa]), torch.__version__,
                                     str(torch.version.git_version), sys.version]).encode()).hexdigest()[:16]
-    return cache_dir() / f"cpu_kernels-{isa}-{key}"
+    return config.cache_dir() / f"cpu_kernels-{isa}-{key}"
 
 
 COMPLETE = ".pypto_gym.complete"  # written last, after a build that loaded: the folder is safe to load as is

@@ -86,9 +86,9 @@ def import_pypto():
 
 
 def cache_dir() -> Path:
-    from .cpu import cache_dir as base
+    from ... import config
 
-    return base() / f"pypto-{installed_version()}"
+    return config.cache_dir() / f"pypto-{installed_version()}"
 
 
 _scratch: list = []
