@@ -71,6 +71,9 @@ def _add_patch_args(ap):
                     help="with --use_pto: int8 weights and activations for the linears after each norm")
     ap.add_argument("--calibration", default=None,
                     help="with --quant w8a8: smooth scales from `calibrate` (default: no smoothing)")
+    ap.add_argument("--allow-fallback", action="store_true",
+                    help="with a --backend that cannot run here: run on torch (counted in the report) instead of "
+                         "refusing")
 
 
 def patch_options(args) -> dict | None:
@@ -103,6 +106,27 @@ def patch_options(args) -> dict | None:
             "calibration": args.calibration, "sites_from": "--sites" if args.sites is not None else "PYPTO_GYM_SITES"}
 
 
+def refuse_backend_that_cannot_run(args, options, device: str) -> None:
+    """A backend the user named (--backend, $PYPTO_GYM_BACKEND) that cannot run at all on this device is
+    an error, said once, before loading anything; `auto` and --allow-fallback fall back, counted."""
+    from .ops import registry
+
+    if options is None or options["backend"] == "auto" or args.allow_fallback:
+        return
+    reason = registry.prepare(options["backend"], device.split(":")[0])
+    if reason is not None:
+        flag = "--backend" if args.backend is not None else "PYPTO_GYM_BACKEND"
+        raise UserError(f"{flag} {options['backend']}: cannot run on {device} ({reason}); pass --allow-fallback "
+                        f"to run on torch instead, counted in the report")
+
+
+def speed(tokens_per_s: float, steps: int) -> str:
+    """Decode speed as a figure that means something: tokens/s, s/token when slower than one a second."""
+    if steps <= 0:
+        return "decode n/a (one new token)"
+    return f"decode {tokens_per_s:.1f} tokens/s" if tokens_per_s >= 1 else f"decode {1 / tokens_per_s:.1f} s/token"
+
+
 def _patch(model, options, command: str):
     """Patch with `options`; a sites selection that matches nothing is refused naming where it came from."""
     from .patching import NoSitesError, patch_model
@@ -121,11 +145,9 @@ def _model_dtype(args, device: str) -> str:
     return args.dtype or default_dtype(device)
 
 
-def _load(args):
-    from .inference import resolve_device
+def _load(args, device):
     from .models.qwen2_5_vl import TINY_DIR, load_model_and_processor
 
-    device = resolve_device(args.device)
     t0 = time.perf_counter()
     model, processor = load_model_and_processor(args.model or TINY_DIR, _model_dtype(args, device), device)
     return model, processor, device, time.perf_counter() - t0
@@ -133,14 +155,16 @@ def _load(args):
 
 def cmd_infer(args) -> int:
     from . import files
-    from .inference import InferenceResult, generate, open_image, peak_memory_mb
+    from .inference import InferenceResult, generate, open_image, peak_memory_mb, resolve_device
     from .models.qwen2_5_vl import SAMPLE_IMAGE
 
     options = patch_options(args)
+    device = resolve_device(args.device)
+    refuse_backend_that_cannot_run(args, options, device)
     if args.report_file:
         files.check_writable(args.report_file, "--report-file")
     image = open_image(args.image or SAMPLE_IMAGE)
-    model, processor, device, load_s = _load(args)
+    model, processor, device, load_s = _load(args, device)
     report = _patch(model, options, "infer") if options is not None else None
     texts, n_new, prefill_s, tps = generate(model, processor, [args.prompt], [image], args.max_new_tokens)
     result = InferenceResult(text=texts, new_tokens=n_new, load_s=load_s, prefill_s=prefill_s,
@@ -150,7 +174,7 @@ def cmd_infer(args) -> int:
                                     "patch_report": report.to_json() if report is not None else None})
     print(f"generated: {texts[0]!r}")
     print(report if report is not None else "RMSNorm patching: off (pass --use_pto or set USE_PTO_RMS_NORM=1)")
-    print(f"load {load_s:.2f} s | prefill {prefill_s * 1e3:.1f} ms | decode {tps:.1f} tokens/s | "
+    print(f"load {load_s:.2f} s | prefill {prefill_s * 1e3:.1f} ms | {speed(tps, n_new - 1)} | "
           f"peak memory {result.peak_memory_mb:.0f} MB | {device} {result.dtype}")
     if args.report_file:
         files.write_text(args.report_file, json.dumps(result.to_json(), indent=2) + "\n")
@@ -158,12 +182,19 @@ def cmd_infer(args) -> int:
     return 0
 
 
-def _load_for_capture(args):
+def _check_model_source(args) -> None:
+    if args.model and args.config:
+        raise UserError("--model and --config: give one (a checkpoint, or a config for random weights)")
+    for flag in ("num_layers", "vision_depth"):
+        if getattr(args, flag) is not None and not args.config:
+            raise UserError(f"--{flag.replace('_', '-')}: only with --config (a random-weight model of that "
+                            f"architecture)")
+
+
+def _load_for_capture(args, device):
     """The embedded/local checkpoint, or a random-weight model from --config (GutenOCR-3B dims)."""
-    from .inference import resolve_device
     from .models.qwen2_5_vl import TINY_DIR, Processor, build_random_model, load_model_and_processor
 
-    device = resolve_device(args.device)
     dtype = _model_dtype(args, device)
     if args.config:
         processor = Processor(TINY_DIR)
@@ -179,19 +210,20 @@ def _load_for_capture(args):
 def cmd_capture(args) -> int:
     from . import files
     from .capture import ShapeRecorder, load_cases
-    from .inference import generate, open_image
+    from .inference import generate, open_image, resolve_device
     from .models.qwen2_5_vl import DOCUMENT_IMAGE, SAMPLE_IMAGE
 
-    if args.model and args.config:
-        raise UserError("--model and --config: give one (a checkpoint, or a config for random weights)")
+    _check_model_source(args)
     options = patch_options(args)
+    device = resolve_device(args.device)
+    refuse_backend_that_cannot_run(args, options, device)
     out = files.check_writable(args.out, "--out")  # before the model is built and run, not after
     if out.exists() and not args.no_merge:
         load_cases(out, max_elements=None, allow_empty=True)  # an existing --out must be a case file
     image_paths = args.image or [str(SAMPLE_IMAGE), str(DOCUMENT_IMAGE)]
     images = [open_image(p) for p in image_paths]
     prompts = args.prompt or ["Read the text in the image."]
-    model, processor = _load_for_capture(args)
+    model, processor = _load_for_capture(args, device)
     if options is not None:
         _patch(model, options, "capture")
     requests = [(p, im, path) for p in prompts for im, path in zip(images, image_paths)]
@@ -213,19 +245,19 @@ CALIBRATION_PROMPTS = ["Read the text in the image.", "What is written in this d
 def cmd_calibrate(args) -> int:
     from . import files
     from .capture import ShapeRecorder
-    from .inference import generate, open_image
+    from .inference import generate, open_image, resolve_device
     from .models.qwen2_5_vl import DOCUMENT_IMAGE, SAMPLE_IMAGE
     from .quant import calibration
 
-    if args.model and args.config:
-        raise UserError("--model and --config: give one (a checkpoint, or a config for random weights)")
+    _check_model_source(args)
+    device = resolve_device(args.device)
     if not 0.0 <= args.alpha <= 1.0:
         raise UserError(f"--alpha: got {args.alpha}; expected a number in [0, 1]")
     out = files.check_writable(args.out, "--out")
     image_paths = args.image or [str(SAMPLE_IMAGE), str(DOCUMENT_IMAGE)]
     images = [open_image(p) for p in image_paths]
     prompts = args.prompt or CALIBRATION_PROMPTS
-    model, processor = _load_for_capture(args)
+    model, processor = _load_for_capture(args, device)
     requests = [(p, im, path) for p in prompts for im, path in zip(images, image_paths)]
     with ShapeRecorder(model, absmax=True) as rec:
         for i, (prompt, image, path) in enumerate(requests, 1):

@@ -206,3 +206,27 @@ def test_a_bad_pypto_gym_sites_is_blamed_on_the_variable(capsys, monkeypatch):
     rc, stdout, err, _ = run_cli(capsys, "infer", "--use_pto", "--max-new-tokens", "1")
     one_line_error(rc, err, "PYPTO_GYM_SITES: 'garbage' matched none of the")
     assert "--sites" not in err and "generated:" not in stdout
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--backend", "npu"], "--backend npu: cannot run on cpu (npu: does not run on cpu tensors)"),
+])
+def test_a_named_backend_that_cannot_run_is_refused_once_before_loading(capsys, argv, needle):
+    rc, stdout, err, seconds = run_cli(capsys, "infer", "--use_pto", *argv)
+    one_line_error(rc, err, needle, "--allow-fallback")
+    assert "generated:" not in stdout and seconds < 10
+
+
+def test_allow_fallback_runs_on_torch_counted(capsys, lenient):
+    rc, stdout, err, _ = run_cli(capsys, "infer", "--use_pto", "--backend", "npu", "--allow-fallback",
+                                 "--max-new-tokens", "2")
+    assert rc == 0 and "ran on: torch" in stdout and "npu: device is cpu" in stdout
+    assert err.count("cannot run on cpu") == 1  # said once
+
+
+@pytest.mark.parametrize("tps,steps,text", [(269.54, 15, "decode 269.5 tokens/s"), (0.04, 3, "decode 25.0 s/token"),
+                                            (0.0, 0, "decode n/a (one new token)")])
+def test_decode_speed_is_a_figure_that_means_something(tps, steps, text):
+    from pypto_gym.cli import speed
+
+    assert speed(tps, steps) == text

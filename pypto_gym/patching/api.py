@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 
 import torch
@@ -133,8 +132,7 @@ def _say_unavailable(state: PatchState) -> None:
                    f"every norm call there will fall back to torch")
         if config.is_strict():
             raise RuntimeError(message + " (strict mode)")
-        print(message, file=sys.stderr, flush=True)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)  # printed once, on stderr
 
 
 def _execution_device(module) -> str:
