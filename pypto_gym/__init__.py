@@ -4,7 +4,7 @@
     pypto_gym.set_enabled(False)                   # original math, without unpatching
     pypto_gym.unpatch_model(model)                 # exact restore
 """
-from . import config, ops
+from . import config, ops, quant  # noqa: F401  (quant registers the w8a8 mode)
 from .capture import ShapeRecorder
 from .config import is_enabled, is_strict, set_enabled, set_strict
 from .patching import NoSitesError, PatchError, patch_model, patch_report, patched, unpatch_model

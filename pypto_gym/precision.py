@@ -41,8 +41,10 @@ def _cosine(a: torch.Tensor, g: torch.Tensor) -> float:
     return float((a * g).sum() / (na * ng))
 
 
-def compare(actual: torch.Tensor, golden: torch.Tensor, name: str = "output") -> Comparison:
-    """Compare one output against its golden under the rule for its dtype."""
+def compare(actual: torch.Tensor, golden: torch.Tensor, name: str = "output", kind: str | None = None) -> Comparison:
+    """Compare one output against its golden under the rule for its kind: "codes" (integer outputs),
+    "scale" (quantisation scales), "float" (the relative rule for its dtype); by default the kind
+    follows the dtype, and a name starting with "scale"."""
     if actual.shape != golden.shape:
         return Comparison(name, float("inf"), 0.0, float("inf"), float("inf"), False,
                           f"shape {tuple(actual.shape)} != golden {tuple(golden.shape)}")
@@ -62,14 +64,15 @@ def compare(actual: torch.Tensor, golden: torch.Tensor, name: str = "output") ->
     mare = float(rel.max()) if rel.numel() else 0.0
     mere = float(rel.mean()) if rel.numel() else 0.0
     cos = _cosine(torch.nan_to_num(a_f), g_f)
-    if not actual.is_floating_point():
+    kind = kind or ("codes" if not golden.is_floating_point() else "scale" if name.startswith("scale") else "float")
+    if kind == "codes":
         n_diff = int((diff > 0).sum())
         frac = n_diff / max(1, diff.numel())
         # at most 0.1% of the codes, and always one: a single rounding tie in a small tensor is not a defect
         ok = max_abs <= QUANT_MAX_DIFF and n_diff <= max(1, int(QUANT_MAX_FRACTION * diff.numel()))
         why = "" if ok else f"{n_diff} codes differ ({frac:.3%}), max |diff| {max_abs:g}"
         return Comparison(name, max_abs, cos, mere, mare, ok, why)
-    if name.startswith("scale"):
+    if kind == "scale":
         ok = mare <= SCALE_MAX_REL and not bad_nan and not mismatch_nonfinite
         return Comparison(name, max_abs, cos, mere, mare, ok, "" if ok else f"scale rel err {mare:.2e}")
     T = THRESHOLDS[golden.dtype]
@@ -87,17 +90,19 @@ def compare(actual: torch.Tensor, golden: torch.Tensor, name: str = "output") ->
     return Comparison(name, max_abs, cos, mere, mare, not reasons, "; ".join(reasons))
 
 
-def compare_outputs(actual, golden, names) -> list[Comparison]:
-    """Compare matching tuples of outputs, skipping positions where both are None."""
+def compare_outputs(actual, golden, outputs) -> list[Comparison]:
+    """Compare matching tuples of outputs, skipping positions where both are None. `outputs` are names,
+    or an op's output declarations (with their kinds)."""
     if isinstance(golden, torch.Tensor):
         actual, golden = (actual,), (golden,)
     out = []
-    for name, a, g in zip(names, actual, golden):
+    for spec, a, g in zip(outputs, actual, golden):
+        name, kind = (spec, None) if isinstance(spec, str) else (spec.name, spec.kind)
         if a is None and g is None:
             continue
         if a is None or g is None:
             out.append(Comparison(name, float("inf"), 0.0, float("inf"), float("inf"), False,
                                   "one side is None"))
             continue
-        out.append(compare(a, g, name))
+        out.append(compare(a, g, name, kind))
     return out

@@ -14,7 +14,7 @@ os.environ.pop("PYPTO_GYM_BACKEND", None)
 import pytest  # noqa: E402
 
 import pypto_gym  # noqa: E402
-from pypto_gym.models.qwen2_5_vl import SAMPLE_IMAGE, TINY_DIR, load_model_and_processor  # noqa: E402
+from pypto_gym.models.qwen2_5_vl import SAMPLE_IMAGE, TINY_DIR, load  # noqa: E402
 
 assert pypto_gym.is_strict(), "the suite must run strict"
 
@@ -44,7 +44,7 @@ def model32(tiny_loaded):
 @pytest.fixture(scope="session")
 def tiny_loaded():
     """The embedded checkpoint (bf16) and its processor; tests must not mutate it (use copies)."""
-    return load_model_and_processor(TINY_DIR)
+    return load(TINY_DIR)
 
 
 @pytest.fixture(scope="session")

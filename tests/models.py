@@ -32,6 +32,17 @@ def tiny_qwen3():
     return model
 
 
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    randomise_norm_weights(model)
+    return model
+
+
 def randomise_norm_weights(model):
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -2,6 +2,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from pypto_gym.cli import main
 from pypto_gym.models.qwen2_5_vl import SAMPLE_IMAGE
 
@@ -49,5 +51,6 @@ def test_bench_e2e_runs_every_variant(tmp_path):
 def test_bench_refuses_bad_arguments(capsys):
     assert main(["bench", "ops", "--dtypes", "int8"]) == 2
     assert "--dtypes: got 'int8'" in capsys.readouterr().err
-    assert main(["bench", "e2e", "--repeats", "0"]) == 2
-    assert "--repeats: got 0; expected >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "e2e", "--repeats", "0"])
+    assert exit_.value.code == 2 and "--repeats: got 0; expected an integer >= 1" in capsys.readouterr().err

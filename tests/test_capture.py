@@ -11,7 +11,7 @@ import torch
 import pypto_gym
 from pypto_gym.capture import CaseError, ShapeRecorder, load_cases
 from pypto_gym.capture.runner import format_table, run_case, run_file
-from pypto_gym.ops import registry
+from pypto_gym.ops import OPS, registry
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE_FILES = sorted((ROOT / "tests" / "cases").glob("*.json"))
@@ -32,17 +32,22 @@ def test_captured_shapes_match_the_model(tiny_loaded, sample_inputs):
     Hv = model.config.vision_config.hidden_size
     S = sample_inputs["input_ids"].shape[1]
     T = int(sample_inputs["image_grid_thw"].prod())
-    shapes = {(c["op"], c["phase"], tuple(c["input"].get("hidden_states", c["input"].get("x1"))["shape"]))
-              for c in cases}
+    shapes = {(c["op"], c["phase"], tuple(next(iter(c["input"].values()))["shape"])) for c in cases}
     assert ("rms_norm", "prefill", (1, S, H)) in shapes
     assert ("rms_norm", "decode", (1, 1, H)) in shapes
     assert ("rms_norm", "prefill", (T, Hv)) in shapes
     assert ("add_rms_norm", "prefill", (1, S, H)) in shapes and ("add_rms_norm", "decode", (1, 1, H)) in shapes
+    I, Iv = model.config.text_config.intermediate_size, model.config.vision_config.intermediate_size
+    assert {("swiglu", "prefill", (1, S, I)), ("swiglu", "decode", (1, 1, I)), ("swiglu", "prefill", (T, Iv))} <= shapes
+    # what runs is recorded: a plain norm before attention and at the end, the fused add + norm before the MLP
+    layers = model.config.text_config.num_hidden_layers
     decode = next(c for c in cases if c["op"] == "rms_norm" and c["phase"] == "decode")
-    n_text_norms = 2 * model.config.text_config.num_hidden_layers + 1
-    assert decode["count"] == 2 * n_text_norms  # 3 new tokens: 1 prefill + 2 decode steps
-    assert set(decode["sites"]) == {"text.input_layernorm", "text.post_attention_layernorm", "text.norm"}
+    assert decode["count"] == 2 * (layers + 1)  # 3 new tokens: 1 prefill + 2 decode steps
+    assert set(decode["sites"]) == {"text.input_layernorm", "text.norm"}
+    fused = next(c for c in cases if c["op"] == "add_rms_norm" and c["phase"] == "decode")
+    assert fused["count"] == 2 * layers and fused["sites"] == ["text.post_attention_layernorm"]
     assert decode["input"]["weight"] == {"shape": [H], "dtype": "bfloat16"}
+    assert decode["input"]["cast_mode"] == {"value": "hf"} and decode["input"]["eps"] == {"value": 1e-6}
     assert decode["rtol"] == decode["atol"] == 2 ** -7
 
 
@@ -107,7 +112,7 @@ MALFORMED = [  # (mutation, field named, words of the message)
     (lambda c: c["input"]["hidden_states"].update(dtype="bfloat32"), "input.hidden_states.dtype", "unknown dtype"),
     (lambda c: c.pop("seed"), "seed", "missing"),
     (lambda c: c["input"].pop("hidden_states"), "input.hidden_states", "missing"),
-    (lambda c: c["input"]["weight"].update(shape=[7]), "input.weight.shape", "got [7]; expected [2048]"),
+    (lambda c: c["input"]["weight"].update(shape=[7]), "input.weight.shape", "gamma: shape (7,) does not match x's D; expected (2048,)"),
     (lambda c: c.update(op="layer_norm"), "op", "unknown op"),
     (lambda c: c.update(op=["rms_norm"]), "op", "unknown op ['rms_norm']"),
     (lambda c: c.update(id=["x"]), "id", "expected a non-empty string"),
@@ -116,16 +121,16 @@ MALFORMED = [  # (mutation, field named, words of the message)
     (lambda c: c.update(description=123), "description", "got 123; expected a string"),
     (lambda c: c["input"]["hidden_states"].update(shape=[True, 64]), "input.hidden_states.shape",
      "expected a list of non-negative ints"),
-    (lambda c: c["input"]["hidden_states"].update(shape=[1, 0]), "input.hidden_states.shape", "last dim D is 0"),
-    (lambda c: c["input"].update(eps={"value": float("nan")}), "input.eps.value", "got nan; expected a finite"),
+    (lambda c: c["input"]["hidden_states"].update(shape=[1, 0]), "input.hidden_states.shape", "x: D=0 (shape (1, 0)); expected D >= 1"),
+    (lambda c: c["input"].update(eps={"value": float("nan")}), "input.eps.value", "eps: got nan; expected a finite"),
     (lambda c: c["input"].update(eps=1e-6), "input.eps", 'expected {"value": ...}'),
-    (lambda c: (_quant(c), c["input"].update(eps={"value": 0})), "input.eps.value", "> 0 (quant ops)"),
+    (lambda c: (_quant(c), c["input"].update(eps={"value": 0})), "input.eps.value", "eps: got 0; expected a finite eps > 0"),
     (lambda c: (_quant(c), c["input"].update(dst_type={"value": "int2"})), "input.dst_type.value", "got 'int2'"),
     (lambda c: (_quant(c), c["input"].update(dst_type="int8")), "input.dst_type", 'expected {"value": ...}'),
     (lambda c: (_quant(c), c["input"].update(dst_type=None)), "input.dst_type", "got None"),
     (lambda c: (_quant(c), c["input"]["weight"].update(dtype="float32")), "input.weight.dtype",
-     "the quant ops need torch.bfloat16"),
-    (lambda c: c["input"].update(eps={"value": 10 ** 400}), "input.eps.value", "expected a finite number"),
+     "gamma: dtype float32 must match x's dtype bfloat16"),
+    (lambda c: c["input"].update(eps={"value": 10 ** 400}), "input.eps.value", "eps: got an integer with 401 digits"),
     (lambda c: c.update(rtol="abc"), "rtol", "got 'abc'; expected a finite number >= 0"),
     (lambda c: c.update(atol=-1), "atol", "got -1; expected a finite number >= 0"),
     (lambda c: c.update(count="x"), "count", "got 'x'; expected an int >= 0"),
@@ -172,19 +177,24 @@ class _WrongBackend(registry.Backend):
     name = "wrong"
     devices = ("cpu",)
 
-    def rms_norm(self, x, gamma, eps, cast_mode):
-        return registry.BACKENDS["torch"].rms_norm(x, gamma, eps, cast_mode) * 1.02
 
-    def add_rms_norm(self, x1, x2, gamma, eps, cast_mode):
-        y, x_out = registry.BACKENDS["torch"].add_rms_norm(x1, x2, gamma, eps, cast_mode)
-        return y * 1.02, x_out
+def _two_percent_off(op):
+    def wrong(backend, *args):
+        out = op.golden(*args)
+        return tuple(t * 1.02 if t is not None and t.is_floating_point() else t for t in out) \
+            if isinstance(out, tuple) else out * 1.02
+    return wrong
 
 
 def test_runner_fails_when_a_backend_is_wrong():
     registry.register(_WrongBackend())
+    for op in OPS.values():
+        op.impl("wrong")(_two_percent_off(op))
     try:
         rows = run_file(CASE_FILES[0], "wrong", repeat=1)
     finally:
+        for op in OPS.values():
+            del op.impls["wrong"]
         del registry.BACKENDS["wrong"]
     assert rows and not any(r["passed"] for r in rows)
     assert "MERE" in rows[0]["reason"]
@@ -195,7 +205,7 @@ def test_committed_case_files_exist():
     names = {p.name for p in CASE_FILES}
     assert {"tiny_qwen2_5_vl.json", "gutenocr_3b.json"} <= names
     guten = load_cases(ROOT / "tests" / "cases" / "gutenocr_3b.json")
-    dims = {c["inputs"].get("hidden_states", c["inputs"].get("x1"))[0][-1] for c in guten}
+    dims = {c["args"][0].shape[-1] for c in guten}
     assert dims == {2048, 1280}
     assert {c["phase"] for c in guten} == {"prefill", "decode"}
 

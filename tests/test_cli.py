@@ -86,7 +86,8 @@ def test_infer_refuses_bad_flags_before_loading(capsys, argv, needle):
 
 
 def test_infer_backend_flag_is_normalised(capsys, monkeypatch):
-    from pypto_gym.cli import build_parser, patch_options
+    from pypto_gym.cli import build_parser
+    from pypto_gym.cli.common import patch_options
 
     options = patch_options(build_parser().parse_args(["infer", "--use_pto", "--backend", " CPU"]))
     assert options["backend"] == "cpu"
@@ -94,12 +95,13 @@ def test_infer_backend_flag_is_normalised(capsys, monkeypatch):
 
 def test_a_sites_glob_that_matches_nothing_is_an_error(capsys):
     rc, stdout, err, _ = run_cli(capsys, "infer", "--use_pto", "--sites", "txet.*", "--max-new-tokens", "1")
-    one_line_error(rc, err, "--sites: 'txet.*' matched none of the 18 sites", "text.input_layernorm")
+    one_line_error(rc, err, "--sites: 'txet.*' matched none of the 26 sites", "text.input_layernorm", "text.mlp")
     assert "generated:" not in stdout
 
 
 def test_environment_switches_are_parsed_by_one_rule(monkeypatch):
-    from pypto_gym.cli import build_parser, patch_options
+    from pypto_gym.cli import build_parser
+    from pypto_gym.cli.common import patch_options
 
     parse = lambda *a: build_parser().parse_args(["infer", *a])  # noqa: E731
     assert patch_options(parse()) is None  # USE_PTO_RMS_NORM unset: the scripts do not patch
@@ -110,10 +112,10 @@ def test_environment_switches_are_parsed_by_one_rule(monkeypatch):
     monkeypatch.setenv("PYPTO_GYM_BACKEND", " Torch ")
     monkeypatch.setenv("PYPTO_GYM_SITES", "text.*")
     monkeypatch.setenv("PYPTO_GYM_FUSE_RESIDUAL", "off")
-    assert patch_options(parse()) == {"backend": "torch", "sites": ["text.*"], "fuse_residual": False,
+    assert patch_options(parse()) == {"backend": "torch", "sites": ("text.*",), "fuse_residual": False,
                                       "quant": None, "calibration": None, "sites_from": "PYPTO_GYM_SITES"}
     assert patch_options(parse("--backend", "cpu", "--sites", "vision.*")) == \
-        {"backend": "cpu", "sites": ["vision.*"], "fuse_residual": False, "quant": None,
+        {"backend": "cpu", "sites": ("vision.*",), "fuse_residual": False, "quant": None,
          "calibration": None, "sites_from": "--sites"}  # a flag beats the environment
     monkeypatch.setenv("USE_PTO_RMS_NORM", "0")
     assert patch_options(parse("--use_pto"))["backend"] == "torch"
@@ -228,6 +230,6 @@ def test_allow_fallback_runs_on_torch_counted(capsys, lenient):
 @pytest.mark.parametrize("tps,steps,text", [(269.54, 15, "decode 269.5 tokens/s"), (0.04, 3, "decode 25.0 s/token"),
                                             (0.0, 0, "decode n/a (one new token)")])
 def test_decode_speed_is_a_figure_that_means_something(tps, steps, text):
-    from pypto_gym.cli import speed
+    from pypto_gym.cli.common import speed
 
     assert speed(tps, steps) == text

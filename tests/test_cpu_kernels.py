@@ -19,11 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pypto_gym import hardware, ops
-from pypto_gym.ops import reference, registry
+from pypto_gym.ops import OPS, registry
 from pypto_gym.ops.backends.cpu import CpuBackend
 from pypto_gym.precision import compare_outputs
 
+from support import assert_close, op_examples, run_on, ulps_apart
+
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+GOLDEN = {name: op.golden for name, op in OPS.items()}
 WIDTHS = [1, 7, 8, 15, 16, 31, 33, 2047, 2049, 8200]
 ISAS = [name for name, _ in hardware.ISA_LEVELS]
 
@@ -49,25 +52,18 @@ def run(op, kernel, *args, **kwargs):
     return out
 
 
+@pytest.mark.parametrize("op,example", op_examples("cpu"))
+def test_every_op_on_every_level_follows_the_golden(kernel, op, example):
+    for dtype in DTYPES:
+        args = op.example_args({**example, "dtype": dtype})
+        assert_close(run_on(kernel, op, args), op.golden(*args), op.outputs)
+
+
 def within_bound(actual: torch.Tensor, golden: torch.Tensor, gamma=None, cast_mode="hf") -> bool:
     bound = 4 if golden.dtype == torch.float32 else 1
     if cast_mode == "hf" and gamma is not None:
         bound *= max(1.0, float(gamma.float().abs().max()))
     return ulps_apart(actual, golden) <= bound
-
-
-def ulps_apart(actual: torch.Tensor, golden: torch.Tensor) -> float:
-    """Largest distance in units in the last place of the golden's dtype (NaN where both are NaN: 0)."""
-    assert actual.dtype == golden.dtype and actual.shape == golden.shape
-    if not golden.numel():
-        return 0.0
-    a, g = actual.double(), golden.double()
-    info = torch.finfo(golden.dtype)
-    bits, tiny = round(-math.log2(info.eps)), info.tiny  # stored mantissa bits
-    _, exp = torch.frexp(g.abs().clamp_min(tiny))
-    ulp = torch.ldexp(torch.ones_like(g), exp - 1 - bits)
-    same = (a == g) | (torch.isnan(a) & torch.isnan(g))
-    return float(torch.where(same, 0.0, (a - g).abs() / ulp).max())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -76,7 +72,7 @@ def ulps_apart(actual: torch.Tensor, golden: torch.Tensor) -> float:
 def test_rms_norm_widths_and_rows(kernel, dtype, rows, D):
     torch.manual_seed(D * 10 + rows)
     x, g = torch.randn(rows, D).to(dtype), (1 + 0.2 * torch.randn(D)).to(dtype)
-    assert within_bound(run("rms_norm", kernel, x, g), reference.rms_norm(x, g), g)
+    assert within_bound(run("rms_norm", kernel, x, g), GOLDEN["rms_norm"](x, g), g)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -87,7 +83,7 @@ def test_cast_modes_and_gamma_dtypes(kernel, dtype, cast_mode, gamma):
     x = torch.randn(7, 2049).to(dtype) * 3
     g = None if gamma == "none" else torch.randn(2049).to(dtype if gamma == "same" else getattr(torch, gamma))
     y = run("rms_norm", kernel, x, g, cast_mode=cast_mode)
-    golden = reference.rms_norm(x, g, 1e-6, cast_mode)
+    golden = GOLDEN["rms_norm"](x, g, 1e-6, cast_mode)
     assert y.dtype == golden.dtype
     if cast_mode == "none":  # every step rounded to x's dtype: the kernel follows it exactly
         assert torch.equal(y, golden)
@@ -103,7 +99,7 @@ def test_add_rms_norm_residual_is_torch_add_exactly(kernel, dtype, D):
     for cast_mode in ("hf", "fp32", "none"):
         y, x_out = run("add_rms_norm", kernel, x1, x2, g, cast_mode=cast_mode)
         assert torch.equal(x_out, x1 + x2)
-        golden = reference.rms_norm(x1 + x2, g, 1e-6, cast_mode)
+        golden = GOLDEN["rms_norm"](x1 + x2, g, 1e-6, cast_mode)
         assert torch.equal(y, golden) if cast_mode == "none" else within_bound(y, golden, g, cast_mode)
 
 
@@ -125,11 +121,11 @@ def test_non_contiguous_inputs(kernel, dtype, layout):
     assert not x.is_contiguous()
     D = x.shape[-1]
     g = torch.randn(2 * D).to(dtype)[::2]  # a strided gamma too
-    assert within_bound(run("rms_norm", kernel, x, g), reference.rms_norm(x, g), g)
+    assert within_bound(run("rms_norm", kernel, x, g), GOLDEN["rms_norm"](x, g), g)
     y, x_out = run("add_rms_norm", kernel, x, x.flip(0), g)
     assert torch.equal(x_out, x + x.flip(0))
     for c in compare_outputs(run("rms_norm_dynamic_quant", kernel, x, g.contiguous()),
-                             reference.rms_norm_dynamic_quant(x, g.contiguous()), ("y", "scale")):
+                             GOLDEN["rms_norm_dynamic_quant"](x, g.contiguous()), ("y", "scale")):
         assert c.passed, c.reason
 
 
@@ -146,13 +142,13 @@ def test_quant_ops(kernel, dtype, D, dst_type, variant):
     s2 = (torch.rand(D) + 0.5).to(dtype) if variant == "two_smooth" else None
     beta = (0.1 * torch.randn(D)).to(dtype) if variant == "smooth_beta" else None
     y, scale = run("rms_norm_dynamic_quant", kernel, x1, g, s1, beta, dst_type=dst_type)
-    for c in compare_outputs((y, scale), reference.rms_norm_dynamic_quant(x1, g, s1, beta, 1e-6, dst_type),
+    for c in compare_outputs((y, scale), GOLDEN["rms_norm_dynamic_quant"](x1, g, s1, beta, 1e-6, dst_type),
                              ("y", "scale")):
         assert c.passed, c.reason
     if beta is None:
         assert torch.all(y[1, 2] == 0) and scale[1, 2] == 0
     out = run("add_rms_norm_dynamic_quant", kernel, x1, x2, g, s1, s2, beta, dst_type=dst_type)
-    golden = reference.add_rms_norm_dynamic_quant(x1, x2, g, s1, s2, beta, 1e-6, dst_type)
+    golden = GOLDEN["add_rms_norm_dynamic_quant"](x1, x2, g, s1, s2, beta, 1e-6, dst_type)
     assert (out[1] is None) == (s2 is None) and torch.equal(out[2], x1 + x2)
     for c in compare_outputs(out, golden, ("y1", "y2", "x_out", "scale1", "scale2")):
         assert c.passed, c.reason
@@ -169,10 +165,10 @@ def test_nan_and_inf_propagate_like_the_reference(kernel, dtype):
     x = torch.randn(3, 40).to(dtype)
     x[0, 3], x[1, 5] = float("nan"), float("inf")
     g = torch.randn(40).to(dtype)
-    y, golden = run("rms_norm", kernel, x, g), reference.rms_norm(x, g)
+    y, golden = run("rms_norm", kernel, x, g), GOLDEN["rms_norm"](x, g)
     assert torch.equal(torch.isnan(y), torch.isnan(golden)) and within_bound(y[2:], golden[2:], g)
     q, s = run("rms_norm_dynamic_quant", kernel, x, g)
-    gq, gs = reference.rms_norm_dynamic_quant(x, g)
+    gq, gs = GOLDEN["rms_norm_dynamic_quant"](x, g)
     assert torch.equal(torch.isnan(s), torch.isnan(gs)) and torch.equal(q[:2], gq[:2])
 
 
@@ -184,7 +180,7 @@ def test_sum_of_squares_is_more_accurate_than_a_float_loop(kernel):
     x[0, 0] = 1e4
     exact = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
     kernel_err = float(((run("rms_norm", kernel, x, None).double() - exact).abs() / exact).max())
-    torch_err = float(((reference.rms_norm(x).double() - exact).abs() / exact).max())
+    torch_err = float(((GOLDEN["rms_norm"](x).double() - exact).abs() / exact).max())
     assert kernel_err <= max(torch_err, 2 ** -23), (kernel_err, torch_err)
 
 
@@ -192,7 +188,7 @@ def test_measured_bound_on_random_bf16(kernel):
     """The README's claim: hf mode on bf16 (64, 2048) is within 1 ulp of the reference, and equal on most."""
     torch.manual_seed(0)
     x, g = torch.randn(64, 2048).to(torch.bfloat16), (1 + 0.1 * torch.randn(2048)).to(torch.bfloat16)
-    y, golden = run("rms_norm", kernel, x, g), reference.rms_norm(x, g)
+    y, golden = run("rms_norm", kernel, x, g), GOLDEN["rms_norm"](x, g)
     assert within_bound(y, golden, g)
     assert (y != golden).float().mean() < 0.01
 
@@ -204,8 +200,8 @@ def test_default_cpu_backend_randomised(rows, D, dtype, scale, seed):
     torch.manual_seed(seed)
     x = (torch.randn(rows, D) * scale).to(dtype)
     g = torch.randn(D).to(dtype)
-    assert within_bound(run("rms_norm", "cpu", x, g), reference.rms_norm(x, g), g)
-    for c in compare_outputs(run("rms_norm_dynamic_quant", "cpu", x, g), reference.rms_norm_dynamic_quant(x, g),
+    assert within_bound(run("rms_norm", "cpu", x, g), GOLDEN["rms_norm"](x, g), g)
+    for c in compare_outputs(run("rms_norm_dynamic_quant", "cpu", x, g), GOLDEN["rms_norm_dynamic_quant"](x, g),
                              ("y", "scale")):
         assert c.passed, c.reason
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pypto_gym.models.qwen2_5_vl import GUTENOCR_CONFIG, build_random_model, load_model_and_processor
+from pypto_gym.models.qwen2_5_vl import GUTENOCR_CONFIG, load, random_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +25,7 @@ def test_embedded_checkpoint_generates_deterministically(tiny_loaded, sample_inp
 
 
 def test_gutenocr_shaped_model_has_real_dimensions():
-    model = build_random_model(GUTENOCR_CONFIG, num_layers=2, vision_depth=2)
+    model, _ = random_model(GUTENOCR_CONFIG, num_layers=2, vision_depth=2)
     norms = {n: m for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")}
     text = {n: m.weight.shape[0] for n, m in norms.items() if "visual" not in n}
     vision = {n: m.weight.shape[0] for n, m in norms.items() if "visual" in n}
@@ -72,7 +72,7 @@ def test_infer_bad_paths_give_one_line_error(tmp_path, case):
 def test_loader_refuses_dir_without_weights(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
-        load_model_and_processor(tmp_path)
+        load(tmp_path)
 
 
 def test_every_subpackage_is_installed_by_a_normal_install():

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import pypto_gym
-from pypto_gym.patching import fusion
+from pypto_gym.patching import residual as fusion
 
 from models import GutenOcr3BVLRMSNorm
 

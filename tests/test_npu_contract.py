@@ -10,26 +10,54 @@ from pathlib import Path
 import pytest
 import torch
 
-from pypto_gym.ops import reference, registry
-from pypto_gym.ops.backends.npu import NpuBackend, chip_series, limits_reason
-from pypto_gym.precision import compare_outputs
+from pypto_gym.ops import OPS, registry
+from pypto_gym.ops.backends.npu import NpuBackend, chip_series
+from pypto_gym.ops.quantize import pack_int4_to_int32, unpack_int4_from_int32
+
+from support import assert_close
 
 sys.path.insert(0, str(Path(__file__).parent / "contract"))
 import torch_npu_standin  # noqa: E402
 
-QUANT = ("y1", "y2", "x_out", "scale1", "scale2")
+QUANT = OPS["add_rms_norm_dynamic_quant"].outputs
+NPU_OPS = [op for op in OPS.values() if "npu" in op.impls]
+
+
+class Npu:
+    """The npu implementations of every op, on a backend whose torch_npu is the stand-in: `npu.<op>(*args)`
+    runs the op's npu implementation, `npu.supports(op, *args)` its documented-limits predicate."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __getattr__(self, name):
+        return lambda *args: OPS[name].impls["npu"].fn(self.backend, *args)
+
+    def supports(self, name, *args):
+        impl = OPS[name].impls["npu"]
+        return impl.supports(self.backend, *args) if impl.supports else None
 
 
 @pytest.fixture
 def npu(monkeypatch):
     monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend910B2")
     torch_npu_standin.calls.clear()
-    return NpuBackend(module_name="torch_npu_standin")
+    return Npu(NpuBackend(module_name="torch_npu_standin"))
 
 
-def assert_close(actual, golden, names):
-    for c in compare_outputs(actual, golden, names):
-        assert c.passed, f"{c.name}: {c.reason}"
+@pytest.mark.parametrize("example", range(4))
+@pytest.mark.parametrize("op", NPU_OPS, ids=lambda op: op.name)
+def test_every_npu_mapping_follows_the_golden_where_its_limits_allow(npu, op, example):
+    """Every op's torch_npu mapping, on each of its examples: within precision of the golden, or refused by
+    a documented limit (and then the stand-in, torch_npu's documented signature, refuses it too)."""
+    if example >= len(op.examples):
+        pytest.skip("no such example")
+    args = op.example_args(op.examples[example])
+    reason = npu.supports(op.name, *args)
+    if reason is None:
+        assert_close(getattr(npu, op.name)(*args), op.golden(*args), op.outputs)
+    else:
+        assert reason and isinstance(reason, str)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
@@ -43,17 +71,17 @@ def test_norms_map_onto_torch_npu(npu, dtype, cast_mode, shape):
         gammas.append(torch.randn(64))  # fp32 gamma: HF promotion (hf), or a documented npu_rms_norm pair (fp32)
     for g in gammas:
         y = npu.rms_norm(x1, g, 1e-6, cast_mode)
-        assert_close(y, reference.rms_norm(x1, g, 1e-6, cast_mode), ("y",))
+        assert_close(y, OPS["rms_norm"].golden(x1, g, 1e-6, cast_mode), ("y",))
         if g is None or g.dtype == dtype or cast_mode == "hf":
             out = npu.add_rms_norm(x1, x2, g, 1e-6, cast_mode)
-            assert_close(out, reference.add_rms_norm(x1, x2, g, 1e-6, cast_mode), ("y", "x_out"))
+            assert_close(out, OPS["add_rms_norm"].golden(x1, x2, g, 1e-6, cast_mode), ("y", "x_out"))
     assert torch_npu_standin.calls[:2] == ["npu_rms_norm", "npu_add_rms_norm"]
 
 
 def test_hf_mode_on_torch_npu_is_bit_identical_to_hf(npu):
     x = torch.randn(4, 128, dtype=torch.bfloat16)
     g = torch.randn(128, dtype=torch.bfloat16)
-    assert torch.equal(npu.rms_norm(x, g, 1e-6, "hf"), reference.rms_norm(x, g, 1e-6, "hf"))
+    assert torch.equal(npu.rms_norm(x, g, 1e-6, "hf"), OPS["rms_norm"].golden(x, g, 1e-6, "hf"))
 
 
 @pytest.mark.parametrize("dst_type", ["int8", "int4"])
@@ -68,20 +96,21 @@ def test_quant_ops_map_onto_the_fused_op(npu, dst_type, smooth, with_beta):
     beta = (0.1 * torch.randn(D)).to(torch.bfloat16) if with_beta else None
     out = npu.add_rms_norm_dynamic_quant(x1, x2, g, s1, s2, beta, 1e-6, dst_type)
     assert (out[1] is None) == (s2 is None) and out[0].dtype == torch.int8 and out[0].shape == x1.shape
-    assert_close(out, reference.add_rms_norm_dynamic_quant(x1, x2, g, s1, s2, beta, 1e-6, dst_type), QUANT)
+    assert_close(out, OPS["add_rms_norm_dynamic_quant"].golden(x1, x2, g, s1, s2, beta, 1e-6, dst_type), QUANT)
     assert_close(npu.rms_norm_dynamic_quant(x1, g, s1, beta, 1e-6, dst_type),
-                 reference.rms_norm_dynamic_quant(x1, g, s1, beta, 1e-6, dst_type), ("y", "scale"))
+                 OPS["rms_norm_dynamic_quant"].golden(x1, g, s1, beta, 1e-6, dst_type),
+                 OPS["rms_norm_dynamic_quant"].outputs)
 
 
 def test_int4_packing_round_trips_and_puts_code_j_in_bits_4j():
     q = torch.randint(-8, 8, (3, 16), dtype=torch.int8)
-    packed = reference.pack_int4_to_int32(q)
+    packed = pack_int4_to_int32(q)
     assert packed.dtype == torch.int32 and packed.shape == (3, 2)
-    assert torch.equal(reference.unpack_int4_from_int32(packed), q)
+    assert torch.equal(unpack_int4_from_int32(packed), q)
     one = torch.zeros(1, 8, dtype=torch.int8)
     one[0, 1] = 3
     one[0, 7] = -1
-    assert int(reference.pack_int4_to_int32(one)) == (3 << 4) | (0xF << 28) - 2 ** 32
+    assert int(pack_int4_to_int32(one)) == (3 << 4) | (0xF << 28) - 2 ** 32
 
 
 @pytest.mark.parametrize("op,shape,dtype,kwargs,reason", [
@@ -99,13 +128,24 @@ def test_int4_packing_round_trips_and_puts_code_j_in_bits_4j():
     ("add_rms_norm", (2, 64), torch.bfloat16, {"gamma_dtype": torch.float32, "cast_mode": "fp32"},
      "npu_add_rms_norm: gamma dtype float32 must equal x's bfloat16"),
     ("rms_norm", (2, 64), torch.float16, {"cast_mode": "none"}, "cast_mode none"),
-    ("add_rms_norm", (2, 64), torch.bfloat16, {"series": "inference"},
+    ("add_rms_norm", (2, 64), torch.bfloat16, {"series": "Ascend310P3"},
      "npu_add_rms_norm: bfloat16 not supported on Atlas inference series chips"),
-    ("rms_norm", (2, 64), torch.bfloat16, {"series": "inference"}, "not a documented pair on inference chips"),
-    ("quant", (2, 64), torch.float16, {"series": "inference", "dst_type": "int8"}, "Atlas A2/A3 chips only"),
+    ("rms_norm", (2, 64), torch.bfloat16, {"series": "Ascend310P3"}, "not a documented pair on inference chips"),
+    ("quant", (2, 64), torch.float16, {"series": "Ascend310P3", "dst_type": "int8"}, "Atlas A2/A3 chips only"),
 ])
-def test_documented_limits(op, shape, dtype, kwargs, reason):
-    got = limits_reason(op, shape, dtype, **kwargs)
+def test_documented_limits(npu, monkeypatch, op, shape, dtype, kwargs, reason):
+    if "series" in kwargs:
+        monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", kwargs["series"])
+        npu = Npu(NpuBackend(module_name="torch_npu_standin"))
+    x = torch.zeros(shape, dtype=dtype)
+    g = torch.zeros(shape[-1], dtype=kwargs.get("gamma_dtype", dtype))
+    if op == "quant":
+        args = ("add_rms_norm_dynamic_quant", x, x, g.to(dtype), None, None, None, 1e-6, kwargs["dst_type"])
+    elif op == "add_rms_norm":
+        args = (op, x, x, g, 1e-6, kwargs.get("cast_mode", "hf"))
+    else:
+        args = (op, x, g, 1e-6, kwargs.get("cast_mode", "hf"))
+    got = npu.supports(*args)
     assert (got is None) if reason is None else (reason in got), got
 
 
@@ -115,7 +155,7 @@ def test_chip_series(name, series):
     assert chip_series(name) == series
 
 
-def test_a_chip_without_bf16_is_read_from_the_device(npu, monkeypatch):
+def test_a_chip_without_bf16_is_read_from_the_device(monkeypatch):
     monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend310P3")
     fresh = NpuBackend(module_name="torch_npu_standin")
     assert fresh.series(0) == "inference"
@@ -132,7 +172,9 @@ def test_masked_second_branch_is_empty_not_zeros(npu):
 
 
 def test_cpu_tensors_are_not_npu_calls():
-    assert registry.get("npu").supports("rms_norm", (torch.randn(2, 8), None, 1e-6, "hf")) == "device is cpu"
+    from pypto_gym.ops.dispatch import why_not
+
+    assert why_not(OPS["rms_norm"], registry.get("npu"), (torch.randn(2, 8), None, 1e-6, "hf")) == "device is cpu"
     assert "torch_npu" not in sys.modules  # never imported on a machine without an NPU
 
 
@@ -145,29 +187,29 @@ def test_quant_matmul_maps_onto_npu_quant_matmul(npu, out_dtype, shape):
     x_scale, w_scale = torch.rand(shape[:-1], generator=gen), torch.rand(24, generator=gen) * 1e-3
     for bias in (None, torch.randn(24, generator=gen).to(out_dtype), torch.randn(24, generator=gen)):
         args = (x_q, w_q, x_scale, w_scale, bias, out_dtype)
-        assert npu.supports("quant_matmul", args) in (None, "device is cpu")
+        assert npu.supports("quant_matmul", *args) is None
         y = npu.quant_matmul(*args)
         assert y.shape == (*shape[:-1], 24) and y.dtype == out_dtype
-        assert_close(y, reference.quant_matmul(*args), ("y",))
+        assert_close(y, OPS["quant_matmul"].golden(*args), ("y",))
     assert torch_npu_standin.calls[-1] == "npu_quant_matmul"
 
 
 def test_quant_matmul_limits_are_the_documented_ones(npu, monkeypatch):
-    from pypto_gym.ops.backends.npu import quant_matmul_reason
-
     x_q, w_q = torch.zeros(2, 8, dtype=torch.int8), torch.zeros(4, 8, dtype=torch.int8)
-    assert quant_matmul_reason(x_q, w_q, None, torch.bfloat16, "a2_a3") is None
-    assert "output_dtype float32" in quant_matmul_reason(x_q, w_q, None, torch.float32, "a2_a3")
-    assert "pertoken_scale is not supported on inference" in quant_matmul_reason(x_q, w_q, None, torch.float16,
-                                                                                  "inference")
-    assert "empty" in quant_matmul_reason(x_q[:0], w_q, None, torch.bfloat16, "a2_a3")
-    assert "bias float16 with output bfloat16" in quant_matmul_reason(x_q, w_q, torch.zeros(4).half(),
-                                                                       torch.bfloat16, "a2_a3")
+    ones = (torch.ones(2), torch.ones(4))
+    assert npu.supports("quant_matmul", x_q, w_q, *ones, None, torch.bfloat16) is None
+    assert "output_dtype float32" in npu.supports("quant_matmul", x_q, w_q, *ones, None, torch.float32)
+    assert "empty" in npu.supports("quant_matmul", x_q[:0], w_q, torch.ones(0), ones[1], None, torch.bfloat16)
+    assert "bias float16 with output bfloat16" in npu.supports("quant_matmul", x_q, w_q, *ones,
+                                                               torch.zeros(4).half(), torch.bfloat16)
     # what the adapter refuses, the stand-in (torch_npu's documented rows) refuses too
     with pytest.raises(RuntimeError, match="documented pertoken rows"):
         torch_npu_standin.npu_quant_matmul(x_q, w_q.t(), torch.ones(4), pertoken_scale=torch.ones(2),
                                            output_dtype=torch.float32)
     monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend310P3")
+    inference = Npu(NpuBackend(module_name="torch_npu_standin"))
+    assert "pertoken_scale is not supported on inference" in inference.supports("quant_matmul", x_q, w_q, *ones,
+                                                                                None, torch.float16)
     with pytest.raises(RuntimeError, match="pertoken_scale is not supported"):
         torch_npu_standin.npu_quant_matmul(x_q, w_q.t(), torch.ones(4), pertoken_scale=torch.ones(2),
                                            output_dtype=torch.float16)

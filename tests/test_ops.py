@@ -1,8 +1,13 @@
-"""The op layer's contract (SPEC 2): registration, refusals, autograd, and the one dispatch path.
+"""The op layer's contract (SPEC 2, 9), for every op the definitions register: parametrised over ops,
+their examples and backends, never copied per op.
 
-Numerics of the torch backend are in test_reference.py, of the cpu kernels in test_cpu_kernels.py,
-of PyPTO in test_pypto.py; this file checks what every backend shares.
+Numerics of each golden are checked against independent evidence in test_reference.py; the cpu
+kernels at every instruction-set level in test_cpu_kernels.py; PyPTO in test_pypto.py; the npu
+mapping in test_npu_contract.py. This file checks what every op and backend shares.
 """
+import copy
+import inspect
+import pickle
 import subprocess
 import sys
 import warnings
@@ -12,57 +17,52 @@ import torch
 
 import pypto_gym
 from pypto_gym import ops
-from pypto_gym.ops import dispatch, library, reference, registry
-from pypto_gym.precision import compare_outputs
+from pypto_gym.ops import OPS, dispatch, registry
 
-QUANT_NAMES = ("y1", "y2", "x_out", "scale1", "scale2")
+from support import assert_close, op_examples, run_on
 
-
-def assert_close(actual, golden, names=("output",)):
-    for c in compare_outputs(actual, golden, names):
-        assert c.passed, f"{c.name}: {c.reason} (max abs {c.max_abs:g})"
+BACKENDS = ["torch", "cpu"]
 
 
-def _inputs(dtype=torch.bfloat16, D=64):
-    torch.manual_seed(0)
-    x1, x2 = torch.randn(2, 5, D).to(dtype), torch.randn(2, 5, D).to(dtype)
-    g, s = torch.randn(D).to(dtype), (torch.rand(D) + 0.5).to(dtype)
-    return x1, x2, g, s
+def _needs_grad(op, args):
+    return tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                 and op.backward is not None else a for a in args)
 
 
-OPCHECK_CASES = {
-    "rms_norm": lambda x1, x2, g, s, b: (library.rms_norm_op, (x1, g, 1e-6, "hf", b, 0)),
-    "rms_norm_fp32_no_gamma": lambda x1, x2, g, s, b: (library.rms_norm_op, (x1, None, 1e-6, "fp32", b, 0)),
-    "add_rms_norm": lambda x1, x2, g, s, b: (library.add_rms_norm_op, (x1, x2, g, 1e-6, "hf", b, 0)),
-    "rms_norm_dynamic_quant": lambda x1, x2, g, s, b: (library.rms_norm_dynamic_quant_op,
-                                                       (x1, g, s, None, 1e-6, "int8", b, 0)),
-    "add_rms_norm_dynamic_quant": lambda x1, x2, g, s, b: (library.add_rms_norm_dynamic_quant_op,
-                                                           (x1, x2, g, s, s, g, 1e-6, "int8", b, 0)),
-    "add_rms_norm_dynamic_quant_one_branch": lambda x1, x2, g, s, b: (library.add_rms_norm_dynamic_quant_op,
-                                                                      (x1, x2, g, s, None, None, 1e-6, "int4", b, 0)),
-    "quant_matmul": lambda x1, x2, g, s, b: (library.quant_matmul_op, (
-        (x1 * 40).clamp(-128, 127).to(torch.int8), (x2[0] * 40).clamp(-128, 127).to(torch.int8), x1[..., 0].abs(),
-        s[:5].abs().float(), g[:5], torch.bfloat16, b, 0)),  # w_q [N=5, K=64]
-}
+def test_every_op_is_defined_once_and_derived_everywhere():
+    assert {"rms_norm", "add_rms_norm", "rms_norm_dynamic_quant", "add_rms_norm_dynamic_quant",
+            "quant_matmul"} <= set(OPS)
+    for name, op in OPS.items():
+        assert getattr(ops, name) is op.entry and getattr(torch.ops.pypto_gym, name) is not None
+        schema = str(getattr(torch.ops.pypto_gym, name).default._schema)
+        assert all(f" {a.name}" in schema for a in op.args) and "str backend" in schema
+        params = list(inspect.signature(op.entry).parameters)
+        assert params == [a.name for a in op.args] + ["backend", "stats"]
+        assert op.examples and op.doc, name
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("case", list(OPCHECK_CASES))
-def test_opcheck(case, backend):
-    """torch.library.opcheck: schema, fake kernel, autograd registration, AOT dispatch."""
-    x1, x2, g, s = _inputs(torch.float32)
-    op, args = OPCHECK_CASES[case](x1, x2, g, s, backend)
-    if case.startswith(("rms_norm", "add_rms_norm")) and "quant" not in case:
-        args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) else a for a in args)
-    torch.library.opcheck(op, args)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op,example", op_examples())
+def test_opcheck(op, example, backend):
+    """torch.library.opcheck: schema, fake kernel (the golden), autograd registration, AOT dispatch."""
+    if backend != "torch" and backend not in op.impls:
+        pytest.skip(f"{op.name} has no {backend} implementation")
+    args = _needs_grad(op, op.example_args({**example, "dtype": torch.float32}))
+    torch.library.opcheck(op.custom_op, (*args, backend, 0))
+
+
+@pytest.mark.parametrize("op,example", op_examples("cpu"))
+def test_the_default_cpu_kernels_follow_the_golden(op, example):
+    args = op.example_args(example)
+    assert_close(run_on("cpu", op, args), op.golden(*args), op.outputs)
 
 
 BAD_CALLS = [
-    (lambda: ops.rms_norm(torch.ones(4, dtype=torch.int32)), TypeError, "x: dtype int32"),
+    (lambda: ops.rms_norm(torch.ones(4, dtype=torch.int32)), TypeError, "x: dtype int32 not supported"),
     (lambda: ops.rms_norm(torch.ones(4, dtype=torch.float64)), TypeError, "x: dtype float64"),
-    (lambda: ops.rms_norm([1.0, 2.0]), TypeError, "x: expected a torch.Tensor"),
-    (lambda: ops.rms_norm(torch.tensor(1.0)), ValueError, "x: rank-0"),
-    (lambda: ops.rms_norm(torch.ones(2, 0)), ValueError, r"x: last dim D is 0"),
+    (lambda: ops.rms_norm([1.0, 2.0]), TypeError, "x: expected a torch.Tensor, got list"),
+    (lambda: ops.rms_norm(torch.tensor(1.0)), ValueError, r"x: rank-0 tensor \(shape \(\)\)"),
+    (lambda: ops.rms_norm(torch.ones(2, 0)), ValueError, r"x: D=0 \(shape \(2, 0\)\); expected D >= 1"),
     (lambda: ops.rms_norm(torch.ones(2, 4), torch.ones(3)), ValueError, r"gamma: shape \(3,\).*expected \(4,\)"),
     (lambda: ops.rms_norm(torch.ones(2, 4), torch.ones(2, 2)), ValueError, r"gamma: shape \(2, 2\)"),
     (lambda: ops.rms_norm(torch.ones(2, 4), torch.ones(4, dtype=torch.int64)), TypeError, "gamma: dtype int64"),
@@ -75,7 +75,7 @@ BAD_CALLS = [
     (lambda: ops.add_rms_norm(torch.ones(2, 4), torch.ones(3, 4), None), ValueError,
      r"x2: shape \(3, 4\) does not match x1; expected \(2, 4\)"),
     (lambda: ops.add_rms_norm(torch.ones(2, 4), torch.ones(2, 4, dtype=torch.float16), None), TypeError,
-     "x2: dtype float16 must match"),
+     "x2: dtype float16 must match x1's dtype float32"),
     (lambda: ops.rms_norm_dynamic_quant(torch.ones(2, 4), torch.ones(4), eps=0.0), ValueError, "eps: got 0.0"),
     (lambda: ops.rms_norm_dynamic_quant(torch.ones(2, 4), torch.ones(4), dst_type="int2"), ValueError,
      "dst_type: got 'int2'"),
@@ -83,11 +83,13 @@ BAD_CALLS = [
      "gamma: dtype float16 must match x's dtype float32"),
     (lambda: ops.rms_norm_dynamic_quant(torch.ones(2, 4), torch.ones(4), torch.ones(5)), ValueError,
      r"smooth_scales: shape \(5,\)"),
-    (lambda: ops.rms_norm_dynamic_quant(torch.ones(2, 4), None), ValueError, "gamma: got None"),
+    (lambda: ops.rms_norm_dynamic_quant(torch.ones(2, 4), None), TypeError, "gamma: got None"),
     (lambda: ops.add_rms_norm_dynamic_quant(torch.ones(2, 4), torch.ones(2, 4), torch.ones(4), None,
                                             torch.ones(4)), ValueError, "smooth_scale2: given without smooth_scale1"),
     (lambda: ops.add_rms_norm_dynamic_quant(torch.ones(2, 4), torch.ones(2, 4), torch.ones(4), beta=torch.ones(2)),
      ValueError, r"beta: shape \(2,\)"),
+    (lambda: ops.rms_norm(torch.ones(2, 4, device="meta"), torch.ones(4)), ValueError,
+     "gamma: on device cpu, expected x's device meta"),
 ]
 
 
@@ -97,24 +99,29 @@ def test_refused_inputs_name_the_argument(call, exc, match):
         call()
 
 
-OP_CALLS = {
-    "rms_norm": lambda x, g, b: ops.rms_norm(x, g, backend=b),
-    "add_rms_norm": lambda x, g, b: ops.add_rms_norm(x, x * 0.5, g, backend=b),
-    "rms_norm_dynamic_quant": lambda x, g, b: ops.rms_norm_dynamic_quant(x, g, g, backend=b),
-    "add_rms_norm_dynamic_quant": lambda x, g, b: ops.add_rms_norm_dynamic_quant(x, x * 0.5, g, g, g, backend=b),
-}
+@pytest.mark.parametrize("op", list(OPS.values()), ids=list(OPS))
+def test_every_op_names_each_argument_it_refuses(op):
+    """For every tensor argument of every op: a non-tensor and a wrong dtype are refused naming it."""
+    args = op.example_args(op.examples[0])
+    for i in op.tensor_index:
+        a = op.args[i]
+        if args[i] is None:
+            continue
+        with pytest.raises(TypeError, match=f"^{a.name}: expected a torch.Tensor"):
+            op.call(args[:i] + ([1.0],) + args[i + 1:], "torch", None)
+        with pytest.raises(TypeError, match=f"^{a.name}: dtype"):
+            op.call(args[:i] + (args[i].to(torch.complex64),) + args[i + 1:], "torch", None)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("op", list(OP_CALLS))
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", list(OPS.values()), ids=list(OPS))
 def test_torch_compile_fullgraph_runs_the_backend_and_counts(backend, op):
     torch._dynamo.reset()
-    fn = OP_CALLS[op]
-    x, _, g, _ = _inputs()
-    eager = fn(x, g, backend)
+    args = op.example_args(op.examples[0])
+    eager = op.call(args, backend, None)
     before = dict(ops.GLOBAL_STATS.ran)
-    compiled = torch.compile(lambda x, g: fn(x, g, backend), fullgraph=True)
-    got = compiled(x, g)
+    compiled = torch.compile(lambda *a: op.call(a, backend, None), fullgraph=True)
+    got = compiled(*args)
     eager = eager if isinstance(eager, tuple) else (eager,)
     got = got if isinstance(got, tuple) else (got,)
     for a, b in zip(got, eager):
@@ -123,75 +130,81 @@ def test_torch_compile_fullgraph_runs_the_backend_and_counts(backend, op):
     assert ops.GLOBAL_STATS.ran.get(backend, 0) > before.get(backend, 0)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("cast_mode", ["hf", "fp32"])
-def test_backward_matches_autograd_through_the_reference(backend, dtype, cast_mode):
-    """The hand-written backward formulas against autograd differentiating the reference."""
-    torch.manual_seed(1)
-    x1, x2, g = torch.randn(3, 4, 96).to(dtype), torch.randn(3, 4, 96).to(dtype), torch.randn(96).to(dtype)
-    gy, gres = torch.randn(3, 4, 96).to(dtype), torch.randn(3, 4, 96).to(dtype)
+DIFFERENTIABLE = [op for op in OPS.values() if op.backward is not None]
 
-    def grads(add_fn, norm_fn):
-        a, b, w = (t.clone().requires_grad_() for t in (x1, x2, g))
-        y, x_out = add_fn(a, b, w)
-        torch.autograd.backward((y, x_out), (gy.to(y.dtype), gres))
-        single, w2 = x1.clone().requires_grad_(), g.clone().requires_grad_()
-        y2 = norm_fn(single, w2)
-        y2.backward(gy.to(y2.dtype))
-        return a.grad, b.grad, w.grad, single.grad, w2.grad
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op,example", [p for p in op_examples() if p.values[0].backward is not None])
+def test_backward_matches_autograd_through_the_golden(op, example, backend, dtype):
+    """The definition's backward formula against autograd differentiating the golden."""
+    args = op.example_args({**example, "dtype": dtype}, seed=1)
+    golden = op.golden(*args)
+    outs = golden if isinstance(golden, tuple) else (golden,)
+    gen = torch.Generator().manual_seed(2)
+    grads_out = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs]
+
+    def grads(fn):
+        leaves = _needs_grad(op, args)
+        out = fn(leaves)
+        out = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(out, grads_out)
+        return [a.grad for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
 
     stats = ops.Stats()
-    got = grads(lambda a, b, w: ops.add_rms_norm(a, b, w, cast_mode=cast_mode, backend=backend, stats=stats),
-                lambda a, w: ops.rms_norm(a, w, cast_mode=cast_mode, backend=backend, stats=stats))
-    expected = grads(lambda a, b, w: reference.add_rms_norm(a, b, w, 1e-6, cast_mode),
-                     lambda a, w: reference.rms_norm(a, w, 1e-6, cast_mode))
+    got = grads(lambda a: op.call(a, backend, stats))
+    expected = grads(lambda a: op.golden(*a))
     tol = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (3e-2, 3e-2)}[dtype]
     for a, e in zip(got, expected):
         torch.testing.assert_close(a.float(), e.float(), rtol=tol[0], atol=tol[1] * float(e.abs().max()))
-    assert stats.ran == {backend: 2}  # the autograd path went through the same dispatch, charged to `stats`
+    assert stats.ran == {backend: 1}  # the autograd path went through the same dispatch, charged to `stats`
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_quant_outputs_never_require_grad(backend):
-    x1, x2, g, s = (t.float().requires_grad_() for t in _inputs())
-    y, scale = ops.rms_norm_dynamic_quant(x1, g, s, backend=backend)
-    outs = ops.add_rms_norm_dynamic_quant(x1, x2, g, s, s, backend=backend)
-    assert not any(t.requires_grad for t in (y, scale, *outs))
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", [op for op in OPS.values() if op.backward is None], ids=lambda op: op.name)
+def test_outputs_without_a_backward_never_require_grad(backend, op):
+    args = op.example_args({**op.examples[0], "dtype": torch.float32})
+    args = tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in args)
+    out = op.call(args, backend, None)
+    for t in (out if isinstance(out, tuple) else (out,)):
+        assert t is None or not t.requires_grad
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_empty_inputs_give_empty_outputs(backend):
-    x = torch.randn(0, 5, 64, dtype=torch.bfloat16)
-    g = torch.randn(64, dtype=torch.bfloat16)
-    y = ops.rms_norm(x, g, backend=backend)
-    assert y.shape == x.shape and y.dtype == torch.bfloat16
-    y, x_out = ops.add_rms_norm(x, x, g, backend=backend)
-    assert y.shape == x_out.shape == x.shape
-    q, s = ops.rms_norm_dynamic_quant(x, g, backend=backend)
-    assert q.shape == x.shape and q.dtype == torch.int8 and s.shape == (0, 5)
-    y1, y2, xo, s1, s2 = ops.add_rms_norm_dynamic_quant(x, x, g, g, g, backend=backend)
-    assert y1.shape == y2.shape == xo.shape == x.shape and s1.shape == s2.shape == (0, 5)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", [op for op in OPS.values() if op.args[0].pattern[0].startswith("*")],
+                         ids=lambda op: op.name)
+def test_empty_inputs_give_empty_outputs(backend, op):
+    star = op.args[0].pattern[0][1:]
+    args = op.example_args({**op.examples[0], star: (0, 5)})
+    out = op.call(args, backend, None)
+    golden = op.golden(*args)
+    for a, g in zip(out if isinstance(out, tuple) else (out,), golden if isinstance(golden, tuple) else (golden,)):
+        assert (a is None and g is None) or (a.shape == g.shape and a.dtype == g.dtype and a.numel() == 0)
 
 
 # ---- the one dispatch path: capability fallbacks, kernel defects, strict mode, counters -----------
 class _BrokenBackend(registry.Backend):
-    """Declares it supports every CPU call, then raises: a defect, not a capability gap."""
+    """Declares it supports every CPU call of the norm ops, then raises: a defect, not a capability gap."""
 
     name = "broken"
     devices = ("cpu",)
-
-    def rms_norm(self, *args):
-        raise RuntimeError("kernel exploded")
-
-    add_rms_norm = rms_norm
 
 
 @pytest.fixture
 def broken_backend():
     registry.register(_BrokenBackend())
+    norms = [OPS["rms_norm"], OPS["add_rms_norm"]]
+
+    def explode(backend, *args):
+        raise RuntimeError("kernel exploded")
+
+    for op in norms:
+        op.impl("broken")(explode)
     dispatch._warned.clear()
     yield "broken"
+    for op in norms:
+        del op.impls["broken"]
     del registry.BACKENDS["broken"]
 
 
@@ -199,8 +212,16 @@ def test_capability_fallback_is_counted_with_its_reason(lenient):
     stats = ops.Stats()
     x, g64 = torch.randn(2, 8), torch.randn(8, dtype=torch.float64)
     y = ops.rms_norm(x, g64, backend="cpu", stats=stats)
-    assert torch.equal(y, reference.rms_norm(x, g64))
+    assert torch.equal(y, OPS["rms_norm"].golden(x, g64))
     assert stats.ran == {"torch": 1} and stats.fallbacks == {"cpu: gamma dtype float64 not supported": 1}
+
+
+def test_a_backend_without_the_op_says_why(lenient):
+    stats = ops.Stats()
+    x = torch.randint(-128, 128, (2, 8), dtype=torch.int8)
+    ops.quant_matmul(x, x, torch.ones(2), torch.ones(2), backend="pypto", stats=stats)
+    (reason,) = stats.fallbacks
+    assert reason.startswith("pypto: ") and ("quant_matmul is not provided" in reason or "pypto" in reason)
 
 
 def test_capability_fallback_raises_when_strict():
@@ -216,11 +237,16 @@ def test_kernel_defect_is_counted_warned_once_and_strict_raises(broken_backend, 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second failure is counted, not warned again
         ops.rms_norm(x, None, backend=broken_backend, stats=stats)
-    assert torch.equal(y, reference.rms_norm(x))
+    assert torch.equal(y, OPS["rms_norm"].golden(x))
     assert stats.fallbacks == {"broken raised RuntimeError: kernel exploded": 2}
     assert stats.ran == {"torch": 2} and stats.backend == "torch"  # what actually ran
     with pypto_gym.config.scoped(strict=True), pytest.raises(RuntimeError, match="kernel exploded"):
         ops.rms_norm(x, None, backend=broken_backend)
+
+
+def test_a_sites_own_strict_setting_beats_the_process_switch(broken_backend, lenient):
+    with pytest.raises(RuntimeError, match="kernel exploded"):
+        ops.rms_norm(torch.randn(2, 8), None, backend=broken_backend, stats=ops.Stats(strict=True))
 
 
 def test_custom_op_path_counts_the_same_way(broken_backend, lenient):
@@ -264,10 +290,25 @@ def test_a_bad_pypto_gym_backend_is_refused_naming_the_variable():
 
 
 def test_stats_survive_copy_and_pickle_with_their_own_ids():
-    import copy
-    import pickle
-
-    s = ops.Stats()
+    s = ops.Stats(site="text.norm")
     s.ran["cpu"] = 3
     for twin in (copy.deepcopy(s), pickle.loads(pickle.dumps(s))):
-        assert twin.ran == {"cpu": 3} and twin.id != s.id and ops.Stats.lookup(twin.id) is twin
+        assert twin.ran == {"cpu": 3} and twin.site == "text.norm" and twin.id != s.id
+        assert ops.Stats.lookup(twin.id) is twin
+
+
+def test_a_bound_call_validates_once_and_still_refuses_what_changed():
+    """The hot path of a patched site: the same kind of call goes straight to dispatch; a changed dtype,
+    shape or device, or autograd, takes the full entry (validation included)."""
+    stats = ops.Stats()
+    bound = OPS["rms_norm"].bind("cpu", stats, eps=1e-6, cast_mode="hf")
+    x, g = torch.randn(2, 64), torch.randn(64)
+    for _ in range(3):
+        assert_close(bound(x, g), OPS["rms_norm"].golden(x, g), OPS["rms_norm"].outputs)
+    assert stats.ran == {"cpu": 3}
+    with pytest.raises(ValueError, match=r"gamma: shape \(32,\)"):
+        bound(x, g[:32])
+    y = bound(x.requires_grad_(), g)
+    assert y.requires_grad  # autograd took the custom op, not the eager shortcut
+    with pytest.raises(ValueError, match="cast_mode: got 'bf16'"):
+        OPS["rms_norm"].bind("cpu", stats, eps=1e-6, cast_mode="bf16")

@@ -15,14 +15,19 @@ def rms_norm_modules(model):
     return {n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")}
 
 
+def norm_rows(report):
+    return [s for s in report["sites"] if s["op"] == "rms_norm"]
+
+
 def test_every_qwen2_5_vl_norm_is_found_including_merger_ln_q(model32):
     report = pypto_gym.patch_model(model32, backend="torch").to_json()
-    patched = {s["path"] for s in report["sites"] if s["status"] == "patched"}
+    patched = {s["path"] for s in norm_rows(report) if s["status"] == "patched"}
     assert patched == rms_norm_modules(model32)
     assert any(p.endswith("visual.merger.ln_q") for p in patched)
-    kinds = {s["kind"] for s in report["sites"]}
+    kinds = {s["kind"] for s in norm_rows(report)}
     assert kinds == {"vision.norm1", "vision.norm2", "vision.merger.ln_q", "text.input_layernorm",
                      "text.post_attention_layernorm", "text.norm"}
+    assert report["summary"]["by_op"]["rms_norm"] == {"candidates": 18, "patched": 18}
     for field in ("path", "kind", "status", "reason", "backend", "D", "eps", "dtype", "device", "calls", "fallbacks"):
         assert field in report["sites"][0]
     assert report["summary"]["fused_layers"] == 4 + 4  # 4 decoder layers + 4 vision blocks
@@ -80,7 +85,7 @@ def test_unpatch_restores_types_keys_forwards_and_outputs(model32, sample_inputs
     assert pypto_gym.patch_report(model32) is None
     assert torch.equal(logits(model32, sample_inputs), expected)
     report = pypto_gym.patch_model(model32, backend="torch")  # patching after unpatch works
-    assert report.to_json()["summary"]["patched"] == len(rms_norm_modules(model32))
+    assert report.to_json()["summary"]["by_op"]["rms_norm"]["patched"] == len(rms_norm_modules(model32))
 
 
 def test_patching_twice_with_the_same_options_is_a_no_op(model32):
@@ -138,7 +143,7 @@ def test_qwen2_vl_layernorm_vision_untouched_text_patched():
     model = tiny_qwen2_vl()
     report = pypto_gym.patch_model(model, backend="torch").to_json()
     by_status = {}
-    for s in report["sites"]:
+    for s in norm_rows(report):
         by_status.setdefault(s["status"], []).append(s)
     assert {s["path"] for s in by_status["patched"]} == rms_norm_modules(model)
     vision_ln = [n for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)]
@@ -153,7 +158,7 @@ def test_qwen3_q_k_norms_on_4d_inputs_and_identical_generate():
         expected = model(ids).logits
         expected_tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
     report = pypto_gym.patch_model(model, backend="torch").to_json()
-    kinds = {s["kind"] for s in report["sites"] if s["status"] == "patched"}
+    kinds = {s["kind"] for s in norm_rows(report) if s["status"] == "patched"}
     assert {"text.q_norm", "text.k_norm", "text.input_layernorm", "text.post_attention_layernorm",
             "text.norm"} == kinds
     with torch.no_grad():
@@ -186,9 +191,9 @@ def test_remote_code_class_is_patched_and_one_plus_weight_is_skipped(model32):
 def test_accelerate_cpu_and_disk_offload_runs_patched(tmp_path, sample_inputs):
     from accelerate import dispatch_model
 
-    from pypto_gym.models.qwen2_5_vl import TINY_DIR, load_model_and_processor
+    from pypto_gym.models.qwen2_5_vl import TINY_DIR, load
 
-    model, _ = load_model_and_processor(TINY_DIR, dtype="float32")
+    model, _ = load(TINY_DIR, dtype="float32")
     expected = logits(model, sample_inputs)
     lm = "model.language_model"
     device_map = {"model.visual": "cpu", f"{lm}.embed_tokens": "cpu", f"{lm}.layers.0": "cpu",
@@ -197,7 +202,8 @@ def test_accelerate_cpu_and_disk_offload_runs_patched(tmp_path, sample_inputs):
     model = dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path), main_device="cpu")
     assert model.get_submodule(f"{lm}.norm").weight.is_meta  # really offloaded to disk
     report = pypto_gym.patch_model(model, backend="cpu").to_json()
-    assert report["summary"]["patched"] == 18
+    assert report["summary"]["by_op"] == {"rms_norm": {"candidates": 18, "patched": 18},
+                                          "swiglu": {"candidates": 8, "patched": 8}}
     got = logits(model, sample_inputs)
     assert compare(got, expected).cosine >= 0.9999
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
@@ -237,7 +243,8 @@ def test_training_gradients_match_unpatched(backend, checkpointing):
     report = pypto_gym.patch_model(model, backend=backend)
     got = grads(model)
     calls = report.to_json()["summary"]["calls"]
-    assert calls == 2 * 4 + 1 or (checkpointing and calls > 2 * 4 + 1)  # q, k, input, post-attn per layer; final
+    # per layer q, k, input, post-attn norms and the MLP; the final norm (checkpointing runs layers again)
+    assert calls == 2 * 5 + 1 or (checkpointing and calls > 2 * 5 + 1)
     assert got.keys() == expected.keys()
     for name in expected:
         if backend == "torch":
@@ -293,7 +300,7 @@ def test_deepcopy_of_a_patched_model_is_independent(model32, sample_inputs):
 
 
 def test_a_sites_selection_matching_nothing_is_refused_and_patches_nothing(model32):
-    with pytest.raises(pypto_gym.NoSitesError, match=r"sites: 'nomatch\*' matched none of the 18 sites"):
+    with pytest.raises(pypto_gym.NoSitesError, match=r"sites: 'nomatch\*' matched none of the 26 sites"):
         pypto_gym.patch_model(model32, backend="torch", sites=["nomatch*"])
     assert pypto_gym.patch_report(model32) is None and not any("forward" in m.__dict__ for m in model32.modules())
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pypto_gym
-from pypto_gym.ops import registry
+from pypto_gym.ops import OPS, registry
 
 from models import logits, tiny_qwen3
 
@@ -126,16 +126,19 @@ class _Exploding(registry.Backend):
     name = "exploding"
     devices = ("cpu",)
 
-    def rms_norm(self, *args):
-        raise RuntimeError("boom")
 
-    add_rms_norm = rms_norm
+def _boom(backend, *args):
+    raise RuntimeError("boom")
 
 
 @pytest.fixture
 def exploding():
     registry.register(_Exploding())
+    for op in OPS.values():
+        op.impl("exploding")(_boom)
     yield "exploding"
+    for op in OPS.values():
+        del op.impls["exploding"]
     del registry.BACKENDS["exploding"]
 
 

@@ -18,7 +18,8 @@ from pypto_gym.capture.runner import run_file
 from pypto_gym.cli import main as cli_main
 from pypto_gym.inference import generate, open_image
 from pypto_gym.models.qwen2_5_vl import DOCUMENT_IMAGE, SAMPLE_IMAGE
-from pypto_gym.ops import reference
+from pypto_gym.ops import OPS
+from pypto_gym.ops.quantize import quantize_rows
 from pypto_gym.patching import PatchError
 from pypto_gym.quant import activations, calibration
 import pypto_gym.quant.linear as quant_linear
@@ -49,7 +50,7 @@ def test_reference_integer_product_is_exact_past_fp32_range():
     acc, _ = golden_matmul(x_q, w_q, ones_m, ones_n, None)
     naive = x_q.float() @ w_q.float().T
     assert not torch.equal(naive, acc.float())  # one fp32 accumulation over K loses bits that show after rounding
-    y = reference.quant_matmul(x_q, w_q, ones_m, ones_n, None, torch.float32)
+    y = OPS["quant_matmul"].golden(x_q, w_q, ones_m, ones_n, None, torch.float32)
     assert torch.equal(y, acc.float())  # exactly the int32 result, rounded once to fp32
 
 
@@ -60,7 +61,7 @@ def test_reference_scales_follow_the_formula(bias):
     x_scale, w_scale = torch.rand(2, 7, generator=gen) + 0.01, torch.rand(24, generator=gen) * 1e-3
     b = torch.randn(24, generator=gen) if bias else None
     _, gold = golden_matmul(x_q, w_q, x_scale, w_scale, b)
-    y = reference.quant_matmul(x_q, w_q, x_scale, w_scale, b, torch.float32)
+    y = OPS["quant_matmul"].golden(x_q, w_q, x_scale, w_scale, b, torch.float32)
     assert y.shape == (2, 7, 24)
     assert float(((y.double() - gold).abs() / gold.abs().clamp(min=1e-3)).max()) < 1e-5
 
@@ -75,7 +76,7 @@ def test_cpu_quant_matmul_is_bit_identical_to_reference(M, K, N, out_dtype):
         stats = ops.Stats()
         y = ops.quant_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype=out_dtype, backend="cpu", stats=stats)
         assert stats.ran == {"cpu": 1}
-        assert torch.equal(y, reference.quant_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype))
+        assert torch.equal(y, OPS["quant_matmul"].golden(x_q, w_q, x_scale, w_scale, bias, out_dtype))
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -111,7 +112,7 @@ def test_quant_matmul_compiles_to_one_op():
     xs, ws = torch.rand(4, generator=gen), torch.rand(16, generator=gen)
     fn = torch.compile(lambda a, b, c, d: ops.quant_matmul(a, b, c, d, out_dtype=torch.float32, backend="cpu"),
                        fullgraph=True)
-    assert torch.equal(fn(x_q, w_q, xs, ws), reference.quant_matmul(x_q, w_q, xs, ws, None, torch.float32))
+    assert torch.equal(fn(x_q, w_q, xs, ws), OPS["quant_matmul"].golden(x_q, w_q, xs, ws, None, torch.float32))
 
 
 @pytest.mark.parametrize("change,match", [
@@ -119,7 +120,7 @@ def test_quant_matmul_compiles_to_one_op():
     (dict(w_q=torch.zeros(4, 9, dtype=torch.int8)), r"w_q: shape \(4, 9\)"),
     (dict(x_scale=torch.ones(3)), r"x_scale: shape \(3,\)"),
     (dict(w_scale=torch.ones(4, dtype=torch.float16)), "w_scale: dtype float16"),
-    (dict(bias=torch.ones(5)), "bias: got float32 \\(5,\\)"),
+    (dict(bias=torch.ones(5)), r"bias: shape \(5,\) does not match w_q; expected \(4,\)"),
     (dict(out_dtype=torch.int8), "out_dtype"),
 ])
 def test_quant_matmul_refusals_name_the_argument(change, match):
@@ -225,7 +226,7 @@ def test_weight_bytes_count_a_tied_lm_head_as_kept(tiny_loaded):
 def test_handover_covers_whole_row_views_only(mode):
     owner, other = object(), object()
     x = torch.randn(2, 5, 8)
-    q, scale = reference.quantize_rows(x, "int8")
+    q, scale = quantize_rows(x, "int8")
     with getattr(torch, mode)():
         y = activations.issue(q, scale, None, torch.float32, owner)
         assert y.handed_over(other) is None
@@ -255,7 +256,7 @@ EDITS = {  # every way of changing a norm's output in place: each must be seen b
 @pytest.mark.parametrize("edit", list(EDITS))
 def test_an_in_place_edit_of_handed_over_rows_is_never_missed(mode, edit):
     x = torch.randn(2, 5, 8)
-    q, scale = reference.quantize_rows(x, "int8")
+    q, scale = quantize_rows(x, "int8")
     dequantised = q.float() * scale.unsqueeze(-1)
     with getattr(torch, mode)():
         y = activations.issue(q, scale, None, torch.float32, "norm")
@@ -272,6 +273,7 @@ def test_fused_layers_run_the_fused_add_quant_op(tiny_loaded, sample_inputs, mon
     unfused = copy.deepcopy(tiny_loaded[0])
     report = patch_model(fused, backend="cpu", quant="w8a8")
     patch_model(unfused, backend="cpu", quant="w8a8", fuse_residual=False)
+    _logits(fused, sample_inputs)  # the first call of a rewritten class is checked against the original
     calls = []
     real = ops.add_rms_norm_dynamic_quant
     monkeypatch.setattr(ops, "add_rms_norm_dynamic_quant", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -325,7 +327,7 @@ def test_calibration_is_deterministic_and_follows_the_smoothquant_formula(tiny_l
                                                                                        "layernorm"))}
     scales, _ = calibration.load(calib_file, expected)
     # the formula, from the absmax a recorder collects on the same run
-    with ShapeRecorder(model, absmax=True) as rec:  # the CLI's default images
+    with calibration.Calibrator(model) as rec:  # the CLI's default images
         for image in (SAMPLE_IMAGE, DOCUMENT_IMAGE):
             generate(model, tiny_loaded[1], ["Read the text."], [open_image(image)], 2)
     path = "model.language_model.layers.1.input_layernorm"
@@ -421,9 +423,13 @@ def test_capture_in_w8a8_mode_records_quant_cases_that_pass_on_cpu(tiny_loaded, 
     rec.save(out, model_name="tiny w8a8")
     cases = load_cases(out)
     ops_seen = {c["op"] for c in cases}
-    assert ops_seen == {"rms_norm", "rms_norm_dynamic_quant", "add_rms_norm_dynamic_quant"}  # rms_norm: ln_q
+    # rms_norm: the merger's ln_q (its linear reads regrouped rows); quant_matmul: every int8 linear's real shapes
+    assert {"rms_norm", "rms_norm_dynamic_quant", "add_rms_norm_dynamic_quant", "quant_matmul"} <= ops_seen
+    matmuls = [c for c in cases if c["op"] == "quant_matmul"]
+    assert {tuple(c["args"][1].shape) for c in matmuls} >= {(128, 128), (640, 128)}  # q_proj's and lm_head's weights
+    assert {"text.q_proj", "text.lm_head", "vision.qkv", "vision.mlp.0"} <= {s for c in matmuls for s in c["sites"]}
     quant = [c for c in cases if c["op"].endswith("quant")]
-    assert all("smooth_scale1" in c["inputs"] and c["dst_type"] == "int8" for c in quant)
+    assert all(c["args"][2] is not None and c["args"][-1] == "int8" for c in quant)  # a smooth scale, int8
     assert {c["phase"] for c in quant} == {"prefill", "decode"}
     rows = run_file(out, "cpu", 1)
     assert rows and all(r["passed"] and r["backend"] == "cpu" for r in rows), rows

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
-from ..capture.cases import build_inputs, call_args, load_cases, printable
-from ..ops import registry
+from ..capture.cases import case_args, load_cases, printable
+from ..ops import OPS, Stats, registry
+from ..ops.defs.rms_norm import pypto_residual_add
 from .timing import interleaved_medians, save_plot, write_json
 
 HBM_BYTES_PER_S = 1.6e12  # Ascend 910B HBM2e, as SIM's 910B2 model assumes (datasheet figure)
@@ -20,22 +20,23 @@ HBM_BYTES_PER_S = 1.6e12  # Ascend 910B HBM2e, as SIM's 910B2 model assumes (dat
 def bytes_moved(case: dict) -> int:
     """Bytes an op reads and writes at least once: every input tensor and every declared output."""
     total = 0
-    for shape, dtype in list(case["inputs"].values()) + list(case["outputs"].values()):
+    tensors = [(tuple(t.shape), t.dtype) for t in case["args"] if isinstance(t, torch.Tensor)]
+    for shape, dtype in tensors + list(case["outputs"].values()):
         total += int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
     return total
 
 
-def _pypto_run(case, args, kwargs):
+def _pypto_run(case, args):
     """(RunInfo of the pypto call, "") or (None, the fallback reason)."""
-    stats = ops.Stats()
-    getattr(ops, case["op"])(*args, **kwargs, backend="pypto", stats=stats)
+    stats = Stats()
+    OPS[case["op"]].call(args, "pypto", stats)
     if stats.fallbacks:
         return None, next(iter(stats.fallbacks))
     return registry.get("pypto").last_run, ""
 
 
-def _pypto_estimate(case, args, kwargs):
-    run, note = _pypto_run(case, args, kwargs)
+def _pypto_estimate(case, args):
+    run, note = _pypto_run(case, args)
     return (None if run is None else run.estimated_us), note
 
 
@@ -49,16 +50,15 @@ def run_cases(path, backends=("torch", "cpu"), rounds=9, json_path=None) -> int:
     print(header + "\n" + "-" * len(header))
     with torch.inference_mode():
         for case in cases:
-            inputs = build_inputs(case)
-            args, kwargs = call_args(case, inputs)
-            fn = getattr(ops, case["op"])
-            t = interleaved_medians({b: (lambda b=b: fn(*args, **kwargs, backend=b)) for b in timed}, rounds=rounds)
+            args = case_args(case)
+            op = OPS[case["op"]]
+            t = interleaved_medians({b: (lambda b=b: op.call(args, b, None)) for b in timed}, rounds=rounds)
             row = {"id": case["id"], "op": case["op"], "description": case["description"],
                    **{f"{b}_us": t[b] * 1e6 for b in timed}}
             if "pypto" in backends:
-                row["est_npu_us"], row["pypto_note"] = _pypto_estimate(case, args, kwargs)
+                row["est_npu_us"], row["pypto_note"] = _pypto_estimate(case, args)
             rows.append(row)
-            shape = str(tuple(next(iter(case["inputs"].values()))[0]))
+            shape = str(tuple(case["args"][0].shape))
             line = f"{printable(case['id']):<18} {case['op']:<13} {shape:<20} " + " ".join(f"{row[b + '_us']:>11.1f}" for b in timed)
             if {"cpu", "torch"} <= set(timed):
                 line += f" {row['torch_us'] / row['cpu_us']:>11.1f}x"
@@ -72,12 +72,13 @@ def run_cases(path, backends=("torch", "cpu"), rounds=9, json_path=None) -> int:
     return 0
 
 
-def _unfused_estimate(case, inputs):
+def _unfused_estimate(case, args):
     """For add_rms_norm cases: PyPTO's estimate of a separate add kernel plus rms_norm on its result."""
     backend = registry.get("pypto")
-    x_out = backend.residual_add(inputs["x1"], inputs["x2"])
+    x1, x2, gamma, eps, cast_mode = args
+    x_out = pypto_residual_add(backend, x1, x2)
     add_us = backend.last_run.estimated_us
-    norm_us, _ = _pypto_estimate({"op": "rms_norm"}, (x_out, inputs.get("gamma"), case["eps"]), {})
+    norm_us, _ = _pypto_estimate({"op": "rms_norm"}, (x_out, gamma, eps, cast_mode))
     return add_us + norm_us if add_us is not None and norm_us is not None else None
 
 
@@ -119,7 +120,7 @@ def run_pypto(path, json_path=None, png_path=None, tune=False) -> int:
             inputs = build_inputs(case)
             args, kwargs = call_args(case, inputs)
             run, note = _pypto_run(case, args, kwargs)
-            shape = str(tuple(next(iter(case["inputs"].values()))[0]))
+            shape = str(tuple(case["args"][0].shape))
             nbytes = bytes_moved(case)
             bound = nbytes / HBM_BYTES_PER_S * 1e6
             row = {"id": case["id"], "op": case["op"], "phase": case.get("phase"), "shape": shape,
@@ -129,7 +130,7 @@ def run_pypto(path, json_path=None, png_path=None, tune=False) -> int:
                 print(f"{printable(case['id']):<18} {case['op']:<13} {case.get('phase', ''):<8} {shape:<16} fallback: {note}")
                 continue
             est = run.estimated_us
-            unfused = _unfused_estimate(case, inputs) if case["op"] == "add_rms_norm" else None
+            unfused = _unfused_estimate(case, args) if case["op"] == "add_rms_norm" else None
             goals = _goals(case, est, bound, unfused)
             rows.append({**row, "est_npu_us": est, "hub_us": run.hub_us, "level": run.level, "tiles": run.tiles,
                          "hbm_fraction": bound / est, "unfused_add_then_norm_us": unfused, "goals": goals})

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .. import config, hardware
-from ..models.qwen2_5_vl import DOCUMENT_IMAGE, GUTENOCR_CONFIG, TINY_DIR, Processor, build_random_model
+from ..models.qwen2_5_vl import DOCUMENT_IMAGE, GUTENOCR_CONFIG, random_model
 from ..patching import patch_model, unpatch_model
 from .timing import goal_line, header, save_plot, write_json
 
@@ -81,9 +81,8 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
     config.set_enabled(True)
     print(header("bench e2e"))
     img = open_image(image or DOCUMENT_IMAGE)
-    processor = Processor(TINY_DIR)
     t0 = time.perf_counter()
-    model = build_random_model(GUTENOCR_CONFIG, num_layers, vision_depth, dtype, token_ids=processor.token_ids())
+    model, processor = random_model(GUTENOCR_CONFIG, num_layers, vision_depth, dtype)
     load_s = time.perf_counter() - t0
     print(f"GutenOCR-3B dims, {num_layers} text layers, {vision_depth} vision blocks, {dtype}, random weights: "
           f"built in {load_s:.1f} s; image {img.size[0]}x{img.size[1]}; {new_tokens} new tokens; "

@@ -30,9 +30,11 @@ from pypto_gym.ops.backends import pypto_backend
 op, R, D, rows, cols, nb = sys.argv[1], *map(int, sys.argv[2:])
 pypto_backend.tile_config = lambda *a: pypto_backend.Tiles(rows, cols, nb)
 pypto_backend._load_cached = lambda *a: False
+from pypto_gym.ops import OPS
 b = pypto_backend.PyptoBackend()
 x1, x2, g = torch.randn(R, D).bfloat16(), torch.randn(R, D).bfloat16(), torch.randn(D).bfloat16()
-(b.rms_norm(x1, g, 1e-6, "hf") if op == "rms_norm" else b.add_rms_norm(x1, x2, g, 1e-6, "hf"))
+args = (x1, g, 1e-6, "hf") if op == "rms_norm" else (x1, x2, g, 1e-6, "hf")
+OPS[op].impls["pypto"].fn(b, *args)
 print(json.dumps({"us": b.last_run.estimated_us, "level": b.last_run.level}))
 """
 
@@ -62,7 +64,7 @@ def tune(case_file, out_path=TABLE) -> dict:
     classes: dict = {}
     for c in load_cases(case_file):
         if c["op"] in ("rms_norm", "add_rms_norm"):
-            shape = c["inputs"][next(iter(c["inputs"]))][0]
+            shape = tuple(c["args"][0].shape)
             R, D = math.prod(shape[:-1]), shape[-1]
             key = f"{c['op']}:{D}:{bucket(R)}"
             classes[key] = max(classes.get(key, 0), R)

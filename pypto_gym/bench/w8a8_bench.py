@@ -31,8 +31,8 @@ def _gemm_candidates(M, K, N):
     x = torch.randn(M, K, generator=gen)
     w = torch.randn(N, K, generator=gen) * 0.02
     xb, wb = x.bfloat16(), w.bfloat16()
-    x_q, x_s = ops.reference.quantize_rows(x, "int8")
-    w_q, w_s = ops.reference.quantize_rows(w, "int8")
+    x_q, x_s = ops.quantize.quantize_rows(x, "int8")
+    w_q, w_s = ops.quantize.quantize_rows(w, "int8")
     fns = {"bf16 F.linear": lambda: torch.nn.functional.linear(xb, wb),
            "fp32 F.linear": lambda: torch.nn.functional.linear(x, w),
            "_int_mm + epilogue (cpu backend)": lambda: ops.quant_matmul(x_q, w_q, x_s, w_s, out_dtype=torch.bfloat16,
@@ -117,13 +117,13 @@ KEEP_POSITIONS = 16  # logits compared at the last positions of each input (a fu
 
 def inject_outliers(model) -> int:
     """Scale 4 gamma channels of every norm that feeds linears by 30-100x (fixed channels); returns how many norms."""
-    from ..models.qwen2_5_vl import LINEARS_AFTER_NORM
-    from ..patching import discovery
+    from ..models import family_of
+    from ..patching.norm import NORMS
 
     n = 0
     with torch.no_grad():
-        for cand in discovery.find_candidates(model):
-            if cand.is_rms and cand.kind in LINEARS_AFTER_NORM:
+        for cand in NORMS.candidates(model, None):
+            if not cand.reason and cand.kind in family_of(model).W8A8_LINEARS:
                 D = cand.module.weight.shape[0]
                 for j, f in zip((D // 7, D // 3, D // 2 + 1, D - 5), OUTLIER_FACTORS):
                     cand.module.weight[j] *= f
@@ -150,11 +150,9 @@ def compare(ref: list, got: list) -> dict:
 
 
 def run_accuracy(quick: bool, json_path, png_path) -> int:
-    from ..capture import ShapeRecorder
-    from ..cli import CALIBRATION_PROMPTS
     from ..inference import default_dtype, generate, open_image
-    from ..models.qwen2_5_vl import (DOCUMENT_IMAGE, GUTENOCR_CONFIG, SAMPLE_IMAGE, TINY_DIR, Processor,
-                                     build_random_model, load_model_and_processor)
+    from ..models.qwen2_5_vl import CALIBRATION_PROMPTS, DOCUMENT_IMAGE, GUTENOCR_CONFIG, SAMPLE_IMAGE, TINY_DIR, load, \
+        random_model
     from ..patching import patched
     from ..quant import calibration
 
@@ -163,11 +161,11 @@ def run_accuracy(quick: bool, json_path, png_path) -> int:
     images = [SAMPLE_IMAGE] if quick else [SAMPLE_IMAGE, DOCUMENT_IMAGE]
     eval_inputs = [(p, im) for p in EVAL_PROMPTS for im in images]
     calib_inputs = [(p, im) for p in CALIBRATION_PROMPTS[:2 if quick else 4] for im in images]
-    processor = Processor(TINY_DIR)
-    builders = {"embedded checkpoint": lambda: load_model_and_processor(TINY_DIR, dtype)[0]}
+    processor = load(TINY_DIR, dtype)[1]
+    builders = {"embedded checkpoint": lambda: load(TINY_DIR, dtype)[0]}
     layers = 1 if quick else 2
-    builders[f"GutenOCR-3B dims ({layers} layers, {layers} blocks, random)"] = lambda: build_random_model(
-        GUTENOCR_CONFIG, layers, layers, dtype, token_ids=processor.token_ids())
+    builders[f"GutenOCR-3B dims ({layers} layers, {layers} blocks, random)"] = lambda: random_model(
+        GUTENOCR_CONFIG, layers, layers, dtype)[0]
     rows = []
     for model_name, build in builders.items():
         for variant in ("plain", "outliers"):
@@ -175,7 +173,7 @@ def run_accuracy(quick: bool, json_path, png_path) -> int:
             if variant == "outliers":
                 inject_outliers(model)
             ref = _eval_logits(model, processor, eval_inputs)
-            with ShapeRecorder(model, absmax=True) as rec:
+            with calibration.Calibrator(model) as rec:
                 for prompt, image in calib_inputs:
                     generate(model, processor, [prompt], [open_image(image)], 2)
             names = [f"{p} | {Path(i).name}" for p, i in calib_inputs]

@@ -1,9 +1,13 @@
 """pypto-gym's JSON test-case format (SPEC 4): schema, reading with clear refusals, building inputs.
 
-A case names an op, its input shapes/dtypes/eps and a seed; inputs are regenerated from the seed,
-so a file of thousands of real shapes stays a few kilobytes. Everything read from a file is
-checked before anything is allocated: a malformed case is refused naming the file, the case id
-and the field, and a case larger than the element cap is refused before its tensors exist.
+A case names an op, its inputs (tensors as shape and dtype, scalars as values) and a seed; inputs
+are regenerated from the seed, so a file of thousands of real shapes stays a few kilobytes. The
+schema of every op is its definition's (ops/defs/): the argument roles give the input fields (by
+their case names: `hidden_states`, `weight` for rms_norm, as files have always called them), how each
+is checked and how it is generated; the golden, run on meta tensors, gives the outputs. Everything
+read from a file is checked before anything is allocated: a malformed case is refused naming the
+file, the case id and the field, and a case larger than the element cap is refused before its
+tensors exist.
 """
 from __future__ import annotations
 
@@ -14,23 +18,12 @@ from pathlib import Path
 
 import torch
 
+from ..ops import OPS, ArgTypeError, ArgValueError, dtype_name
 from ..precision import THRESHOLDS
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
-FLOAT_NAMES = ("float16", "bfloat16", "float32")
-DST_TYPES = ("int8", "int4")
 MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's range
 MAX_ELEMENTS = 2 ** 27  # per tensor (512 MB in fp32); `cases run --max-elements` raises it
 PROGRESS_BYTES = 16 * 2 ** 20  # files above this size say that they are being read
-
-# op -> (tensor inputs that have the activation shape, per-channel inputs, output names)
-OP_SCHEMA = {
-    "rms_norm": (("hidden_states",), ("weight",), ("output",)),
-    "add_rms_norm": (("x1", "x2"), ("gamma",), ("y", "x_out")),
-    "rms_norm_dynamic_quant": (("hidden_states",), ("weight", "smooth_scale1", "beta"), ("y", "scale")),
-    "add_rms_norm_dynamic_quant": (("x1", "x2"), ("gamma", "smooth_scale1", "smooth_scale2", "beta"),
-                                   ("y1", "y2", "x_out", "scale1", "scale2")),
-}
 REQUIRED_FIELDS = ("id", "op", "seed", "input", "output")
 
 
@@ -62,30 +55,9 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
-def _tensor_spec(path, cid, field, spec, allowed=FLOAT_NAMES, max_elements=MAX_ELEMENTS):
-    if not isinstance(spec, dict) or "shape" not in spec or "dtype" not in spec:
-        raise _err(path, cid, field, "expected {\"shape\": [...], \"dtype\": ...}")
-    shape, dtype = spec["shape"], spec["dtype"]
-    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
-        raise _err(path, cid, f"{field}.shape", f"got {shape!r}; expected a list of non-negative ints")
-    if not isinstance(dtype, str) or dtype not in allowed:
-        raise _err(path, cid, f"{field}.dtype", f"unknown dtype {dtype!r}; expected one of {', '.join(allowed)}")
-    n = math.prod(shape)
-    if max_elements is not None and n > max_elements:
-        raise _err(path, cid, f"{field}.shape", f"{shape} has {n:,} elements, above the cap of {max_elements:,} "
-                                                 f"(raise it with --max-elements)")
-    return tuple(shape), DTYPES[dtype]
-
-
-def _choice_value(path, cid, field, spec, check):
-    """`{"value": v}` fields (eps, dst_type): the value, or a refusal naming the field."""
-    if not isinstance(spec, dict) or "value" not in spec:
-        raise _err(path, cid, field, f"got {spec!r}; expected {{\"value\": ...}}")
-    return check(spec["value"])
-
-
 def validate_case(case: dict, path="<cases>", max_elements=MAX_ELEMENTS) -> dict:
-    """Check one case and return a normalised copy: shapes as tuples, torch dtypes, eps float."""
+    """Check one case and return it normalised: `args` (meta tensors and values, in the op's argument
+    order), `outputs` {name: (shape, dtype)}, and the descriptive fields."""
     cid = case.get("id", "?") if isinstance(case, dict) else "?"
     if not isinstance(case, dict):
         raise _err(path, cid, "test_cases[]", "expected an object")
@@ -94,9 +66,10 @@ def validate_case(case: dict, path="<cases>", max_elements=MAX_ELEMENTS) -> dict
             raise _err(path, cid, f, "missing")
     if not isinstance(cid, str) or not cid:
         raise _err(path, cid, "id", f"got {cid!r}; expected a non-empty string")
-    op = case["op"]
-    if not isinstance(op, str) or op not in OP_SCHEMA:
-        raise _err(path, cid, "op", f"unknown op {op!r}; expected one of {', '.join(OP_SCHEMA)}")
+    name = case["op"]
+    if not isinstance(name, str) or name not in OPS:
+        raise _err(path, cid, "op", f"unknown op {name!r}; expected one of {', '.join(OPS)}")
+    op = OPS[name]
     seed = case["seed"]
     if not _is_int(seed) or not 0 <= seed <= MAX_SEED:
         raise _err(path, cid, "seed", f"got {seed!r}; expected an int in [0, 2^64)")
@@ -106,71 +79,65 @@ def validate_case(case: dict, path="<cases>", max_elements=MAX_ELEMENTS) -> dict
     sites = case.get("sites", [])
     if not isinstance(sites, list) or not all(isinstance(s, str) for s in sites):
         raise _err(path, cid, "sites", f"got {sites!r}; expected a list of strings")
-    acts, vectors, outputs = OP_SCHEMA[op]
-    quant = op.endswith("quant")
-    inputs = case["input"]
-    if not isinstance(inputs, dict):
-        raise _err(path, cid, "input", "expected an object")
-    norm = {"id": cid, "op": op, "seed": seed, "inputs": {}, "outputs": {}}
-    for name in acts:
-        if name not in inputs:
-            raise _err(path, cid, f"input.{name}", "missing")
-        norm["inputs"][name] = _tensor_spec(path, cid, f"input.{name}", inputs[name], max_elements=max_elements)
-    shape0, dtype0 = norm["inputs"][acts[0]]
-    if not shape0:
-        raise _err(path, cid, f"input.{acts[0]}.shape", "rank 0; expected [..., D]")
-    D = shape0[-1]
-    if D == 0:
-        raise _err(path, cid, f"input.{acts[0]}.shape", f"got {list(shape0)}: last dim D is 0; expected D >= 1")
-    for name in acts[1:]:
-        if norm["inputs"][name] != (shape0, dtype0):
-            raise _err(path, cid, f"input.{name}", f"got {list(norm['inputs'][name][0])} {norm['inputs'][name][1]}; "
-                                                   f"expected {list(shape0)} {dtype0} (the same as {acts[0]})")
-    for name in vectors:
-        if name not in inputs or inputs[name] is None:
-            if name in ("weight", "gamma") and quant:
-                raise _err(path, cid, f"input.{name}", "missing")
-            continue
-        shape, dtype = _tensor_spec(path, cid, f"input.{name}", inputs[name], max_elements=max_elements)
-        if math.prod(shape) != D or len([s for s in shape if s != 1]) > 1:
-            raise _err(path, cid, f"input.{name}.shape", f"got {list(shape)}; expected [{D}] (the hidden size "
-                                                         f"of {acts[0]})")
-        if quant and dtype != dtype0:
-            raise _err(path, cid, f"input.{name}.dtype", f"got {dtype}; the quant ops need {dtype0} (x's dtype)")
-        norm["inputs"][name] = (shape, dtype)
-    if quant and "smooth_scale2" in norm["inputs"] and "smooth_scale1" not in norm["inputs"]:
-        raise _err(path, cid, "input.smooth_scale2", "given without smooth_scale1")
-
-    def check_eps(v):
-        if not _finite_number(v) or v < 0 or (quant and v == 0):
-            raise _err(path, cid, "input.eps.value", f"got {v!r}; expected a finite number "
-                                                     f"{'> 0 (quant ops)' if quant else '>= 0'}")
-        return float(v)
-
-    norm["eps"] = _choice_value(path, cid, "input.eps", inputs.get("eps", {"value": 1e-6}), check_eps)
-
-    def check_dst(v):
-        if v not in DST_TYPES:
-            raise _err(path, cid, "input.dst_type.value", f"got {v!r}; expected one of {', '.join(DST_TYPES)}")
-        return v
-
-    norm["dst_type"] = _choice_value(path, cid, "input.dst_type", inputs.get("dst_type", {"value": "int8"}),
-                                     check_dst) if quant else None
-    if not isinstance(case["output"], dict):
-        raise _err(path, cid, "output", "expected an object")
-    for name, spec in case["output"].items():
-        norm["outputs"][name] = _tensor_spec(path, cid, f"output.{name}", spec, FLOAT_NAMES + ("int8",), max_elements)
-    unknown = set(norm["outputs"]) - set(outputs)
-    if unknown:
-        raise _err(path, cid, "output", f"unknown outputs {sorted(unknown)}; expected {list(outputs)}")
     for field in ("rtol", "atol"):
         if field in case and (not _finite_number(case[field]) or case[field] < 0):
             raise _err(path, cid, field, f"got {case[field]!r}; expected a finite number >= 0")
     if "count" in case and (not _is_int(case["count"]) or case["count"] < 0):
         raise _err(path, cid, "count", f"got {case['count']!r}; expected an int >= 0")
-    norm["phase"], norm["sites"] = case.get("phase", ""), sites
-    norm["description"] = case.get("description", "")
-    return norm
+    inputs = case["input"]
+    if not isinstance(inputs, dict):
+        raise _err(path, cid, "input", "expected an object")
+    known = {a.case for a in op.args}
+    unknown = sorted(set(inputs) - known)
+    if unknown:
+        raise _err(path, cid, "input", f"unknown inputs {unknown}; {name} takes {', '.join(a.case for a in op.args)}")
+    field_of = {a.name: f"input.{a.case}" for a in op.args}
+    args = []
+    for a in op.args:
+        entry = inputs.get(a.case)
+        if a.case not in inputs or (entry is None and a.optional):
+            if a.required and not a.optional:
+                raise _err(path, cid, field_of[a.name], "missing")
+            args.append(None if a.optional else a.default)
+            continue
+        try:
+            args.append(a.from_case(entry, max_elements))
+        except (ArgTypeError, ArgValueError) as e:
+            raise _err(path, cid, _field(field_of[a.name], e), str(e).split(": ", 1)[1]) from None
+    try:
+        op.validate(tuple(args))
+    except (ArgTypeError, ArgValueError) as e:
+        raise _err(path, cid, _field(field_of.get(e.arg, "input"), e), str(e)) from None
+    golden = op.golden(*args)  # on meta tensors: the outputs' shapes and dtypes
+    golden = golden if isinstance(golden, tuple) else (golden,)
+    produced = {o.case_name: (tuple(g.shape), g.dtype) for o, g in zip(op.outputs, golden) if g is not None}
+    if not isinstance(case["output"], dict):
+        raise _err(path, cid, "output", "expected an object")
+    outputs = {}
+    for out_name, spec in case["output"].items():
+        if out_name not in produced:
+            raise _err(path, cid, "output", f"unknown output {out_name!r}; {name} gives {', '.join(produced)} here")
+        meta = _output_spec(path, cid, out_name, spec)
+        if meta != produced[out_name]:
+            raise _err(path, cid, f"output.{out_name}", f"declares {list(meta[0])} {dtype_name(meta[1])}; the op "
+                                                       f"gives {list(produced[out_name][0])} "
+                                                       f"{dtype_name(produced[out_name][1])} for these inputs")
+        outputs[out_name] = meta
+    return {"id": cid, "op": name, "seed": seed, "args": tuple(args), "outputs": outputs,
+            "phase": case.get("phase", ""), "sites": sites, "description": case.get("description", "")}
+
+
+def _field(base: str, error) -> str:
+    return f"{base}.{error.aspect}" if error.aspect else base
+
+
+def _output_spec(path, cid, name, spec):
+    shape, dtype = (spec.get("shape"), spec.get("dtype")) if isinstance(spec, dict) else (None, None)
+    from ..ops.args import DTYPE_NAMES
+
+    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape) or dtype not in DTYPE_NAMES:
+        raise _err(path, cid, f"output.{name}", f"got {spec!r}; expected {{\"shape\": [...], \"dtype\": ...}}")
+    return tuple(shape), DTYPE_NAMES[dtype]
 
 
 def read_json(path):
@@ -217,35 +184,37 @@ def load_cases(path, max_elements=MAX_ELEMENTS, allow_empty: bool = False) -> li
     return cases
 
 
-def build_inputs(case: dict) -> dict:
-    """Deterministic inputs from the case's seed: activations ~ N(0,1), weights ~ 1 + 0.1 N(0,1)."""
+def tolerance(dtype) -> float:
+    return THRESHOLDS.get(dtype, 0.0)
+
+
+def case_args(case: dict) -> tuple:
+    """The op's positional arguments for a validated case: tensors regenerated from its seed, in argument order."""
+    op = OPS[case["op"]]
     gen = torch.Generator().manual_seed(case["seed"])
-    out = {}
-    for name, (shape, dtype) in case["inputs"].items():
-        x = torch.randn(shape, generator=gen, dtype=torch.float32)
-        if name in ("weight", "gamma"):
-            x = 1 + 0.1 * x
-        elif name.startswith("smooth"):
-            x = 0.5 + torch.rand(shape, generator=gen)
-        elif name == "beta":
-            x = 0.1 * x
-        out[name] = x.to(dtype)
-    return out
+    return tuple(a.generate(v, gen) if isinstance(v, torch.Tensor) else v for a, v in zip(op.args, case["args"]))
 
 
-def call_args(case: dict, inputs: dict) -> tuple[tuple, dict]:
-    """Positional args and keywords for `pypto_gym.ops.<op>` / `reference.<op>`."""
-    op, eps = case["op"], case["eps"]
-    if op == "rms_norm":
-        return (inputs["hidden_states"], inputs.get("weight"), eps), {}
-    if op == "add_rms_norm":
-        return (inputs["x1"], inputs["x2"], inputs.get("gamma"), eps), {}
-    if op == "rms_norm_dynamic_quant":
-        return (inputs["hidden_states"], inputs["weight"], inputs.get("smooth_scale1"), inputs.get("beta"), eps), \
-            {"dst_type": case["dst_type"]}
-    return (inputs["x1"], inputs["x2"], inputs["gamma"], inputs.get("smooth_scale1"), inputs.get("smooth_scale2"),
-            inputs.get("beta"), eps), {"dst_type": case["dst_type"]}
+def make_case(cid: str, op, args: tuple, phase: str, sites: list, count: int, seed: int = 42) -> dict:
+    """A case for one recorded call: inputs as the op's case fields, outputs from the golden on meta tensors."""
+    metas = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
+    inputs = {}
+    for a, v in zip(op.args, metas):
+        entry = a.to_case(v)
+        if entry is not None:
+            inputs[a.case] = entry
+    golden = op.golden(*metas)
+    golden = golden if isinstance(golden, tuple) else (golden,)
+    outputs = {o.case_name: {"shape": list(g.shape), "dtype": dtype_name(g.dtype)}
+               for o, g in zip(op.outputs, golden) if g is not None}
+    first = metas[op.device_index]
+    floats = [g.dtype for g in golden if g is not None and g.is_floating_point()]
+    tol = tolerance(floats[0]) if floats else 0.0
+    return {"id": cid, "description": f"{'+'.join(sites)} {phase} {tuple(first.shape)} {dtype_name(first.dtype)}",
+            "op": op.name, "phase": phase, "sites": sites, "count": count, "seed": seed, "input": inputs,
+            "output": outputs, "rtol": tol, "atol": tol}
 
 
-def tolerance(dtype_name: str) -> float:
-    return THRESHOLDS.get(DTYPES.get(dtype_name), 0.0)
+def input_key(case: dict) -> tuple:
+    """What makes two cases the same: op, phase and inputs (not ids, sites or counts)."""
+    return case["op"], case.get("phase"), json.dumps(case["input"], sort_keys=True)

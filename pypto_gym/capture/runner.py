@@ -11,10 +11,10 @@ import warnings
 
 import torch
 
-from .. import config, ops
-from ..ops import reference, registry
+from .. import config
+from ..ops import OPS, Stats, registry
 from ..precision import compare_outputs
-from .cases import MAX_ELEMENTS, OP_SCHEMA, build_inputs, call_args, load_cases, printable
+from .cases import MAX_ELEMENTS, case_args, load_cases, printable
 
 
 def _median_call_us(fn, repeat: int) -> float:
@@ -29,23 +29,19 @@ def _median_call_us(fn, repeat: int) -> float:
 
 def run_case(case: dict, backend: str, repeat: int = 3) -> dict:
     """Run one validated case; returns a row with the worst metrics over its outputs and the verdict."""
-    inputs = build_inputs(case)
-    args, kwargs = call_args(case, inputs)
-    op = case["op"]
-    stats = ops.Stats()
-    fn = getattr(ops, op)
+    op = OPS[case["op"]]
+    args = case_args(case)
+    stats = Stats()
     with torch.inference_mode(), config.scoped(strict=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a defect is reported in the row, with its reason
-        actual = fn(*args, **kwargs, backend=backend, stats=stats)
+        actual = op.call(args, backend, stats)
         last = getattr(registry.BACKENDS.get(stats.backend), "last_run", None)  # PyPTO: SIM estimate and level
-        golden = getattr(reference, op)(*args, **kwargs)
-        timed = ops.Stats()
-        us = _median_call_us(lambda: fn(*args, **kwargs, backend=backend, stats=timed), repeat) if repeat \
-            else float("nan")
-    names = OP_SCHEMA[op][2]
-    comps = compare_outputs(actual, golden, names)
+        golden = op.golden(*args)
+        timed = Stats()
+        us = _median_call_us(lambda: op.call(args, backend, timed), repeat) if repeat else float("nan")
+    comps = compare_outputs(actual, golden, op.outputs)
     problems = [f"{c.name}: {c.reason}" for c in comps if not c.passed]
-    got = dict(zip(names, actual if isinstance(actual, tuple) else (actual,)))
+    got = dict(zip([o.case_name for o in op.outputs], actual if isinstance(actual, tuple) else (actual,)))
     for name, (shape, dtype) in case["outputs"].items():
         t = got.get(name)
         if t is not None and (tuple(t.shape) != shape or t.dtype != dtype):
@@ -54,7 +50,7 @@ def run_case(case: dict, backend: str, repeat: int = 3) -> dict:
     if not not_run and backend != "auto" and stats.backend != backend:
         not_run = f"ran on {stats.backend}, not {backend}"
     result = "NOT RUN" if not_run else ("FAIL" if problems else "PASS")
-    return {"id": case["id"], "op": op, "description": case["description"], "backend": stats.backend,
+    return {"id": case["id"], "op": op.name, "description": case["description"], "backend": stats.backend,
             "requested": backend, "fallbacks": dict(stats.fallbacks), "max_abs": max(c.max_abs for c in comps),
             "cosine": min(c.cosine for c in comps), "mere": max(c.mere for c in comps),
             "mare": max(c.mare for c in comps), "us_per_call": us,

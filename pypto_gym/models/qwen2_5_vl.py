@@ -1,36 +1,41 @@
-"""Everything pypto-gym knows about the Qwen2.5-VL family (Qwen2.5-VL, GutenOCR-3B).
+"""The Qwen2.5-VL family (Qwen2.5-VL, GutenOCR-3B): loader and processor, the tiny checkpoint, the
+GutenOCR-3B random-weight builder, W8A8 linear tables and calibration prompts.
 
-Kept in one place: the special tokens and chat template of the embedded checkpoint, its tiny
-config, the GutenOCR-3B random-weight builder, and the loader used by the scripts. The patcher
-itself is model-agnostic (it finds norms by structure and math, not by class name).
+The patcher itself is model-agnostic (it finds sites by structure and math, not by class name);
+what lives here is what only this family needs: its special tokens and chat template, the image
+half of its processor, where its norms' int8 rows go, and how to build it without a download.
 """
 from __future__ import annotations
 
 import copy
-import importlib
 import json
-import os
 from pathlib import Path
 
-MODELING_DIR = Path(importlib.import_module("pypto_gym.modeling").__file__).parent  # modeling/, installed too
+from .common import (MODELING_DIR, TEXT_LINEARS_AFTER_NORM, check_model_dir, from_pretrained, randomise_norms,
+                     save_tokenizer, save_weights, train_tokenizer)
+
+NAME = "qwen2_5_vl"
+MODEL_TYPES = ("qwen2_5_vl",)
+MULTIMODAL = True
 TINY_DIR = MODELING_DIR / "tiny_qwen2_5_vl"
 GUTENOCR_CONFIG = MODELING_DIR / "gutenocr_3b" / "config.json"
 SAMPLE_IMAGE = TINY_DIR / "sample.png"
 DOCUMENT_IMAGE = MODELING_DIR / "gutenocr_3b" / "document.png"
+IMAGES = (SAMPLE_IMAGE, DOCUMENT_IMAGE)  # capture and calibration inputs: a text line, a document page
+CALIBRATION_PROMPTS = ["Read the text in the image.", "What is written in this document?",
+                       "Transcribe every line of the page.", "Describe the layout of this image."]
 
 # W8A8: the linears that read each norm kind's output rows directly, relative to the norm's parent
-# ("<lm_head>": the model's output embedding), so the norm can hand them int8 rows. Qwen2/2.5/3
-# decoders share the text names; the vision names are Qwen2.5-VL's blocks.
-LINEARS_AFTER_NORM = {
-    "text.input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "text.post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
-    "text.norm": ("<lm_head>",),
+# ("<lm_head>": the model's output embedding), so the norm can hand them int8 rows: the decoder's,
+# and Qwen2.5-VL's vision blocks.
+W8A8_LINEARS = {
+    **TEXT_LINEARS_AFTER_NORM,
     "vision.norm1": ("attn.qkv",),
     "vision.norm2": ("mlp.gate_proj", "mlp.up_proj"),
 }
 # ...and those that read a norm's output regrouped (the merger folds 4 rows of 1280 into one of 5120):
 # their rows are not the norm's rows, so they quantise their input themselves.
-LINEARS_AFTER_REGROUPED_NORM = {"vision.merger.ln_q": ("mlp.0",)}
+W8A8_REGROUPED = {"vision.merger.ln_q": ("mlp.0",)}
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -81,15 +86,14 @@ def tiny_config_dict(vocab_size: int, token_ids: dict) -> dict:
     return cfg
 
 
-def build_random_model(config_path=GUTENOCR_CONFIG, num_layers: int | None = None,
-                       vision_depth: int | None = None, dtype="bfloat16", seed: int = 0,
-                       token_ids: dict | None = None):
-    """A model at a real architecture's dimensions with random weights (no download).
+def random_model(config_path=GUTENOCR_CONFIG, num_layers: int | None = None, vision_depth: int | None = None,
+                 dtype="bfloat16", seed: int = 0):
+    """(model, processor): a model at a real architecture's dimensions with random weights (no download),
+    driven by the embedded tokenizer.
 
     ``num_layers``/``vision_depth`` reduce the depth (shapes per layer stay the real ones), so
-    shape capture and benchmarks run at GutenOCR-3B's D=2048 / 1280 on a laptop. ``token_ids``
-    (from `Processor.token_ids()`) re-points the special-token ids at the tokenizer in use, so the
-    embedded tokenizer can drive a model with GutenOCR-3B's vocabulary.
+    shape capture and benchmarks run at GutenOCR-3B's D=2048 / 1280 on a laptop. The special-token
+    ids are re-pointed at the embedded tokenizer, so it can drive a model with GutenOCR-3B's vocabulary.
     """
     import torch
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
@@ -107,7 +111,8 @@ def build_random_model(config_path=GUTENOCR_CONFIG, num_layers: int | None = Non
         vc["depth"] = vision_depth
         vc["fullatt_block_indexes"] = [i for i in vc.get("fullatt_block_indexes", []) if i < vision_depth] \
             or [vision_depth - 1]
-    raw.update(token_ids or {})
+    processor = Processor(TINY_DIR)
+    raw.update(processor.token_ids())
     config = AutoConfig.for_model(**raw)
     torch.manual_seed(seed)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -118,23 +123,7 @@ def build_random_model(config_path=GUTENOCR_CONFIG, num_layers: int | None = Non
     finally:
         torch.set_default_dtype(prev)
     # the config's own torch_dtype (bfloat16) wins over the default for the text model: cast the rest
-    return model.to(torch_dtype).eval()
-
-
-def check_model_dir(path) -> Path:
-    """Refuse a missing or incomplete checkpoint directory with a one-line message."""
-    p = Path(path)
-    if not p.is_dir():
-        raise FileNotFoundError(f"--model: {p} is not a directory")
-    if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"--model: {p} has no config.json")
-    try:
-        json.loads((p / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--model: {p / 'config.json'} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
-        raise FileNotFoundError(f"--model: {p} has no *.safetensors weights")
-    return p
+    return model.to(torch_dtype).eval(), processor
 
 
 class Processor:
@@ -198,18 +187,68 @@ class Processor:
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
-def load_model_and_processor(path=TINY_DIR, dtype="auto", device="cpu"):
+def load(path=TINY_DIR, dtype="auto", device="cpu"):
     """Load a Qwen2.5-VL-family checkpoint (embedded, GutenOCR-3B or any local download) offline."""
-    import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     p = check_model_dir(path)
-    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     try:
         processor = Processor(p)
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(p, dtype=torch_dtype)
-    except (OSError, ValueError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"--model: could not load {p}: {first}") from None
-    return model.to(device).eval(), processor
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model: could not load the processor of {p}: {str(e).splitlines()[0]}") from None
+    return from_pretrained(Qwen2_5_VLForConditionalGeneration, p, dtype, device), processor
+
+
+def build_tiny(out=TINY_DIR, seed: int = 0) -> None:
+    """The embedded checkpoint: GutenOCR-3B's config scaled down (same structure and eps), a BPE tokenizer
+    trained on the shipped corpus, random weights from `seed`, the sample images. Running it twice gives
+    identical files."""
+    import torch
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(SPECIAL_TOKENS, "<|im_end|>", "<|endoftext|>", CHAT_TEMPLATE)
+    save_tokenizer(tokenizer, out, "Qwen2Tokenizer")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    cfg = tiny_config_dict(vocab_size=len(tokenizer), token_ids=ids)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "pad_token_id": ids["<|endoftext|>"], "do_sample": False}, indent=2) + "\n")
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(out)).to(torch.bfloat16).eval()
+    randomise_norms(model)
+    save_weights(model, out, skip={"lm_head.weight"})
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+        "rescale_factor": 1 / 255, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "patch_size": 14, "temporal_patch_size": 2,
+        "merge_size": 2, "min_pixels": 56 * 56, "max_pixels": 1280 * 28 * 28, "resample": 3,
+    }, indent=2) + "\n")
+    _render_sample_image(out / "sample.png")
+    _render_document_image(DOCUMENT_IMAGE)
+
+
+def _render_sample_image(path: Path) -> None:
+    """A small rendered line of text: the kind of input an OCR model reads."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (224, 56), "white")
+    ImageDraw.Draw(img).text((8, 20), "pypto-gym RMSNorm 2048", fill="black")
+    img.save(path, optimize=False)
+
+
+def _render_document_image(path: Path) -> None:
+    """A page-sized scan (728x1008, 936 merged vision tokens): the prefill shapes of real OCR."""
+    from PIL import Image, ImageDraw
+
+    from .common import CORPUS
+
+    img = Image.new("RGB", (728, 1008), "white")
+    draw = ImageDraw.Draw(img)
+    lines = [line for line in CORPUS.read_text().splitlines() if line.strip()]
+    for i in range(60):
+        draw.text((24, 24 + 16 * i), lines[i % len(lines)][:110], fill="black")
+    img.save(path, optimize=False)

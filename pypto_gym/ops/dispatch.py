@@ -5,33 +5,32 @@ Every call reaches `call`: the `pypto_gym.ops.*` entry points in eager mode, the
 so every patched module, whichever of the two paths it takes. The policy:
 
 - Capability: the requested backend (or each of `auto`'s candidates) declares whether it takes
-  these exact arguments (`Backend.supports`). If not, the call runs on `torch`, and the
-  fallback is counted with the backend's reason.
+  these exact arguments: the op has an implementation there, the tensors are on a device it runs
+  on, it is available in this process, and the implementation's pure `supports` predicate agrees.
+  If not, the call runs on `torch` (the op's golden), and the fallback is counted with the reason.
 - Defect: a kernel that raises on a call it declared it supports is a bug. The call is rerun on
   `torch`, counted with the error as its reason, and warned once per reason.
-- Strict (`PYPTO_GYM_STRICT=1`, `config.set_strict`): both raise instead. The test suite runs
-  strict, so a fallback a test did not ask for fails it.
+- Strict (`PYPTO_GYM_STRICT=1`, `config.set_strict`, or a patch's own `strict=`): both raise
+  instead. The test suite runs strict, so a fallback a test did not ask for fails it.
 
-Counters live in `Stats` objects: one per patched site, and `GLOBAL` for direct calls. A custom
+Counters live in `Stats` objects: one per patch site, and `GLOBAL` for direct calls. A custom
 op cannot carry a Python object, so each Stats has an integer id the op takes as an argument and
 looks up here; a compiled graph therefore counts per site too. `ran` records which backend
-actually produced each result, which is what the patch report shows.
+actually produced each result, which is what the patch report shows. A ShapeRecorder sees every
+call of a patch site here (`RECORDERS`), whichever backend runs it.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import warnings
 import weakref
 
 from .. import config
-from . import reference
-from .registry import BACKENDS, AUTO_ORDER, get
+from .registry import AUTO_ORDER, BACKENDS, TORCH, get
 
-REFERENCE = {"rms_norm": reference.rms_norm, "add_rms_norm": reference.add_rms_norm,
-             "rms_norm_dynamic_quant": reference.rms_norm_dynamic_quant,
-             "add_rms_norm_dynamic_quant": reference.add_rms_norm_dynamic_quant,
-             "quant_matmul": reference.quant_matmul}
-OPS = tuple(REFERENCE)
+RECORDERS: list = []  # active ShapeRecorders: each gets (op, stats, args) of every site call
+_REFERENCE: list = []  # non-empty inside `reference()`: every call runs the golden, charged to nobody
 
 
 class BackendFallbackError(RuntimeError):
@@ -39,16 +38,21 @@ class BackendFallbackError(RuntimeError):
 
 
 class Stats:
-    """Live counters of one call site: results per backend that produced them, fallbacks by reason."""
+    """Live counters of one call site: results per backend that produced them, fallbacks by reason.
 
-    __slots__ = ("id", "ran", "fallbacks", "__weakref__")
+    `site` is the patch site's kind (None for direct calls): what a recorder files a call under.
+    `strict` overrides the process-wide strict switch for this site (None: follow it).
+    """
+
+    __slots__ = ("id", "ran", "fallbacks", "site", "strict", "__weakref__")
     _live: "weakref.WeakValueDictionary[int, Stats]" = weakref.WeakValueDictionary()
     _ids = itertools.count(1)
 
-    def __init__(self, ran=None, fallbacks=None, *, _id=None):
+    def __init__(self, ran=None, fallbacks=None, *, site=None, strict=None, _id=None):
         self.id = next(Stats._ids) if _id is None else _id
         self.ran = dict(ran or {})
         self.fallbacks = dict(fallbacks or {})
+        self.site, self.strict = site, strict
         Stats._live[self.id] = self
 
     @property
@@ -65,14 +69,18 @@ class Stats:
         self.fallbacks.clear()
 
     def __deepcopy__(self, memo):  # a copied model counts for itself
-        return Stats(self.ran, self.fallbacks)
+        return Stats(self.ran, self.fallbacks, site=self.site, strict=self.strict)
 
     def __reduce__(self):  # an unpickled model gets live counters of its own, not a stale id
-        return Stats, (self.ran, self.fallbacks)
+        return _new_stats, (self.ran, self.fallbacks, self.site, self.strict)
 
     @classmethod
     def lookup(cls, stats_id: int) -> "Stats":
         return cls._live.get(stats_id) or GLOBAL
+
+
+def _new_stats(ran, fallbacks, site, strict):
+    return Stats(ran, fallbacks, site=site, strict=strict)
 
 
 GLOBAL = Stats(_id=0)
@@ -83,54 +91,95 @@ def _count_fallback(stats: Stats, reason: str) -> None:
     stats.fallbacks[reason] = stats.fallbacks.get(reason, 0) + 1
 
 
-def resolve(op: str, requested: str, args: tuple):
-    """(backend, None) for the backend that takes this call, or (torch, reason) for a fallback."""
+def _strict(stats: Stats) -> bool:
+    return config.is_strict() if stats.strict is None else stats.strict
+
+
+def why_not(op, backend, args: tuple) -> str | None:
+    """None if `backend` takes this call of `op`, else the reason (a pure function of the arguments)."""
+    impl = op.impls.get(backend.family)
+    if impl is None:
+        return op.unsupported.get(backend.family, f"{op.name} is not implemented")
+    device = args[op.device_index].device.type
+    if device not in backend.devices:
+        return f"device is {device}"
+    reason = backend.unavailable_reason()
+    if reason:
+        return reason
+    return impl.supports(backend, *args) if impl.supports is not None else None
+
+
+def resolve(op, requested: str, args: tuple):
+    """(backend, implementation, None) for the implementation that takes this call, or (torch, None, the
+    fallback reason) when the golden runs instead."""
+    if requested == "torch":
+        return TORCH, None, None
     if requested != "auto":
         backend = BACKENDS.get(requested) or get(requested)
-        reason = backend.supports(op, args)
-        return (backend, None) if reason is None else (BACKENDS["torch"], f"{requested}: {reason}")
-    device = args[0].device.type
+        reason = why_not(op, backend, args)
+        if reason is None:
+            return backend, op.impls[backend.family], None
+        return TORCH, None, f"{requested}: {reason}"
+    device = args[op.device_index].device.type
     first = None
     for name in AUTO_ORDER:
         backend = BACKENDS.get(name)
         if backend is None or device not in backend.devices:
             continue
-        reason = backend.supports(op, args)
+        if backend is TORCH:
+            break
+        reason = why_not(op, backend, args)
         if reason is None:
-            return backend, first
+            return backend, op.impls[backend.family], first
         first = first or f"{name}: {reason}"
-    return BACKENDS["torch"], first
+    return TORCH, None, first
 
 
-def call(op: str, requested: str, stats: Stats, args: tuple):
+@contextlib.contextmanager
+def reference():
+    """Inside: every call runs its golden and counts nowhere (a rewrite's first-call check compares the
+    original and the rewritten forward this way, without charging the sites or being recorded)."""
+    _REFERENCE.append(True)
+    try:
+        yield
+    finally:
+        _REFERENCE.pop()
+
+
+def call(op, requested: str, stats: Stats, args: tuple):
     """Resolve, run and count one call of `op` (validated positional `args`)."""
-    backend, reason = resolve(op, requested, args)
+    if _REFERENCE:
+        return op.golden(*args)
+    if RECORDERS and stats.site is not None:
+        for recorder in RECORDERS:
+            recorder.record(op, stats, args)
+    backend, impl, reason = resolve(op, requested, args)
     if reason is not None:
-        if config.is_strict():
-            raise BackendFallbackError(f"pypto_gym.{op}: {reason}; would fall back to torch (strict mode)")
+        if _strict(stats):
+            raise BackendFallbackError(f"pypto_gym.{op.name}: {reason}; would fall back to torch (strict mode)")
         _count_fallback(stats, reason)
-    if backend.name == "torch":
-        out = REFERENCE[op](*args)
+    if impl is None:
+        out = op.golden(*args)
     else:
         try:
-            out = getattr(backend, op)(*args)
+            out = impl.fn(backend, *args)
         except Exception as e:  # noqa: BLE001 - policy: a failing kernel must not take the model down
-            if config.is_strict():
+            if _strict(stats):
                 raise
-            out = _defect(op, backend, e, stats, args)
-            backend = BACKENDS["torch"]
+            out = _defect(op, backend.name, e, stats, args)
+            backend = TORCH
     ran = stats.ran
     ran[backend.name] = ran.get(backend.name, 0) + 1
     return out
 
 
-def _defect(op, backend, error, stats, args):
+def _defect(op, backend: str, error, stats, args):
     """A kernel raised on a call it declared it supports: count, warn once per reason, rerun on torch."""
     text = str(error).splitlines()[0][:160] if str(error) else ""
-    reason = f"{backend.name} raised {type(error).__name__}: {text}"
+    reason = f"{backend} raised {type(error).__name__}: {text}"
     if reason not in _warned:
         _warned.add(reason)
-        warnings.warn(f"pypto_gym.{op}: {reason}; this result and later ones like it come from torch "
+        warnings.warn(f"pypto_gym.{op.name}: {reason}; this result and later ones like it come from torch "
                       f"(PYPTO_GYM_STRICT=1 raises instead)", RuntimeWarning, stacklevel=4)
     _count_fallback(stats, reason)
-    return REFERENCE[op](*args)
+    return op.golden(*args)

@@ -1,16 +1,10 @@
-"""Backends: what each one declares it can run, and the order `auto` tries them in (SPEC 2.6).
+"""Backends: where kernels run, whether they can run here, and the order `auto` tries them in (SPEC 2.6).
 
-A backend is an object with one method per op taking the op's validated positional arguments.
-It declares two things, as vLLM's op providers and HF `kernels` do, so that fallback is decided
-from declarations and never by catching errors:
-
-- `unavailable_reason()`: why it cannot run at all in this process (package missing, build
-  failed); computed once, possibly building kernels, so call it at patch time.
-- `supports(op, args)`: None if it takes exactly these arguments, else a short reason
-  (`device is cpu`, `dtype float32 not supported by npu_add_rms_norm_dynamic_quant`). It must be
-  a pure function of the arguments: no environment reads, no side effects.
-
-The backend is chosen for each call by `dispatch.call`, the one place calls are resolved.
+A backend is machinery, not a list of ops: it says which device types it runs on and why it
+cannot run at all in this process (`unavailable_reason()`: package missing, build failed;
+computed once, possibly building kernels, so call it at patch time). Which ops it implements,
+and for which arguments, each op definition says itself (`Op.impl(name, supports=...)`), as
+vLLM's IR ops register providers. `torch` is every op's golden and runs everywhere.
 """
 from __future__ import annotations
 
@@ -18,22 +12,28 @@ from .. import config
 
 
 class Backend:
-    """Base class: subclasses set `name` and `devices` and implement the ops they provide."""
+    """A backend's machinery: subclasses set `name` and `devices` and say why they cannot run, if so."""
 
     name = "base"
     devices: tuple = ()  # device types this backend runs on
+    family = None  # the implementations it runs: op definitions register them per family (default: its name)
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if "family" not in cls.__dict__ and "name" in cls.__dict__:
+            cls.family = cls.name
 
     def unavailable_reason(self) -> str | None:
         return None
 
-    def supports(self, op: str, args: tuple) -> str | None:
-        x = args[0]
-        if x.device.type not in self.devices:
-            return f"device is {x.device.type}"
-        return self.unavailable_reason()
+
+class TorchBackend(Backend):
+    """The goldens themselves: every op's reference formula, on every device, never falling back."""
+
+    name = "torch"
+    devices = ("cpu", "cuda", "npu", "meta", "xpu", "mps")
 
 
-GAMMA_INDEX = {"rms_norm": 1, "add_rms_norm": 2, "rms_norm_dynamic_quant": 1, "add_rms_norm_dynamic_quant": 2}
 BACKENDS: dict[str, Backend] = {}
 AUTO_ORDER = ("npu", "cpu", "torch")  # pypto runs when named: on CPU its SIM mode verifies, it does not speed up
 _default: list = []  # the parsed $PYPTO_GYM_BACKEND, once
@@ -42,6 +42,9 @@ _default: list = []  # the parsed $PYPTO_GYM_BACKEND, once
 def register(backend: Backend) -> Backend:
     BACKENDS[backend.name] = backend
     return backend
+
+
+TORCH = register(TorchBackend())
 
 
 def backend_names() -> tuple:

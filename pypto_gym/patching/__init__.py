@@ -1,5 +1,10 @@
-"""Patch a loaded model: discovery, per-site wrappers, fused residual rewrites, exact unpatch."""
+"""Patch a loaded model: site rules (norm.py; the fused MLP and rotary embedding rules), layer rewrites
+(residual.py), exact unpatch (api.py), the report (report.py). Importing it registers the rules."""
 from ..config import is_enabled, set_enabled
+from . import norm  # noqa: F401, I001  (registers the rule; rules apply in import order)
+from . import mlp  # noqa: F401
 from .api import NoSitesError, PatchError, patch_model, patch_report, patched, unpatch_model
+from .options import PatchConfig, register_quant_mode
 
-__all__ = ["patch_model", "unpatch_model", "patched", "patch_report", "set_enabled", "is_enabled", "PatchError", "NoSitesError"]
+__all__ = ["patch_model", "unpatch_model", "patched", "patch_report", "set_enabled", "is_enabled", "PatchError",
+           "NoSitesError", "PatchConfig", "register_quant_mode"]

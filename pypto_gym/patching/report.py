@@ -1,11 +1,15 @@
-"""The patch report: every candidate site, what happened to it and why, with live counters.
+"""The patch report: every candidate site of every rule, what happened to it and why, with live counters.
 
 `backend` in a site row is what actually produced that site's results ("cpu", or "cpu+torch"
-when some calls fell back), not what was asked for (`requested_backend`).
+when some calls fell back), not what was asked for (`requested_backend`). `op` is what the site
+runs; `D`, `eps`, `dtype`, `device` are the rule's own fields (eps only for norms).
 """
 from __future__ import annotations
 
 from collections import Counter
+
+
+SITE_NAMES = {"rms_norm": "norm", "swiglu": "mlp"}  # how the summary line names an op's sites
 
 
 class PatchReport:
@@ -24,9 +28,15 @@ class PatchReport:
             ran.update(r["ran_on"])
         layers = [layer for layer in st.layers if layer.rejected is None]
         rejected = [{"path": layer.path, "reason": layer.rejected} for layer in st.layers if layer.rejected]
+        by_op: dict = {}
+        for r in sites:
+            counts = by_op.setdefault(r["op"], {"candidates": 0, "patched": 0})
+            counts["candidates"] += 1
+            counts["patched"] += r["status"] == "patched"
         return {
-            **st.options, "enabled": st.enabled(),
+            **st.options.to_json(), "enabled": st.enabled(),
             "summary": {"candidates": len(sites), "patched": len(patched), "skipped": len(sites) - len(patched),
+                        "by_op": by_op,
                         "fused_layers": len(layers), "calls": sum(r["calls"] for r in patched),
                         "ran_on": dict(ran), "fallbacks": dict(fallbacks),
                         "fusion_bypassed": sum(sum(r["fusion_bypassed"].values()) for r in patched),
@@ -41,7 +51,9 @@ class PatchReport:
         d = self.to_json()
         s = d["summary"]
         ran = ", ".join(f"{k} x{v}" for k, v in s["ran_on"].items()) or "none yet"
-        lines = [f"pypto-gym patch report: {s['patched']}/{s['candidates']} norm sites patched, "
+        counts = ", ".join(f"{c['patched']}/{c['candidates']} {SITE_NAMES.get(op, op)} sites patched"
+                           for op, c in s["by_op"].items())
+        lines = [f"pypto-gym patch report: {counts or 'no sites'}, "
                  f"backend={d['backend']}, cast_mode={d['cast_mode']}, enabled={d['enabled']}, "
                  f"fused layers={s['fused_layers']}, calls={s['calls']} (ran on: {ran}), "
                  f"fallbacks={sum(s['fallbacks'].values())}"]
@@ -61,7 +73,7 @@ class PatchReport:
                 notes += [f"quant bypassed x{n} ({why})" for why, n in q["bypassed"].items()]
             if len(r["paths"]) > 1:
                 notes.append("also at " + ", ".join(r["paths"][1:]))
-            lines.append(f"{r['path']:<{w}} {r['kind']:<29} {r['status']:<8} {r['D']:>5} {r['dtype']:<9} "
+            lines.append(f"{r['path']:<{w}} {r['kind']:<29} {r['status']:<8} {r['D'] or '':>5} {r['dtype'] or '':<9} "
                          f"{r['backend'] or '':<10} {'yes' if r.get('fused_residual') else '':<5} "
                          f"{r.get('calls', 0):>6}  {'; '.join(notes)}")
         for r in d["fusion_skipped"]:
@@ -83,9 +95,10 @@ def _w8a8_lines(q: dict) -> list[str]:
              f"{s['releasable_float_bytes'] / 2 ** 20:.1f} MB of them not shared with other modules)"]
     for r in q["skipped_norms"]:
         lines.append(f"norm {r['path']} stays float: {r['reason']}")
-    if q["calibration_ignored"]:
-        lines.append(f"calibration: {len(q['calibration_ignored'])} smooth scales ignored, for norms this patch does "
-                     f"not quantise ({', '.join(q['calibration_ignored'][:3])}{', ...' if len(q['calibration_ignored']) > 3 else ''})")
+    ignored = q["calibration_ignored"]
+    if ignored:
+        lines.append(f"calibration: {len(ignored)} smooth scales ignored, for norms this patch does not quantise "
+                     f"({', '.join(ignored[:3])}{', ...' if len(ignored) > 3 else ''})")
     w = max([len(r["path"]) for r in q["linears"]] + [20])
     header = f"{'linear':<{w}} {'became':<9} {'backend':<10} {'calls':>6}  input / fallbacks"
     lines += [header, "-" * len(header)]

@@ -7,6 +7,9 @@ copies of their weights (linear.py). plan.py decides which norms and linears; ca
 makes and checks the smooth scales. Unpatching restores the float model exactly: the float
 weights are never modified.
 """
-from .plan import MODES, QuantPlan, install
+from ..patching import register_quant_mode
+from .plan import QuantPlan, install
 
-__all__ = ["MODES", "QuantPlan", "install"]
+register_quant_mode("w8a8", install)
+
+__all__ = ["QuantPlan", "install"]

@@ -5,12 +5,13 @@ spends its 255 levels on them and the other channels round to a handful of codes
 (Xiao et al., 2023) moves part of that range into the weights: for each channel j,
 s_j = max|X_j|^alpha / max|W_j|^(1 - alpha), the norm's quant op multiplies its rows by 1/s
 (its smooth scale) and every linear reading them gets W * s, which leaves X @ W^T unchanged in
-exact arithmetic. max|X_j| is collected at each norm's output by the shape recorder's hooks
-while the float model generates on real inputs; max|W_j| is over all the norm's consumer linears.
+exact arithmetic. max|X_j| is collected at each norm's output while the float model generates on real
+inputs; max|W_j| is over all the norm's consumer linears.
 
 A calibration file is safetensors: one fp32 tensor `<norm path>.smooth_scale` of shape [D] per
-norm, and one metadata entry: a JSON string with the format, alpha, model type and the inputs used. The same model and inputs give
-the same bytes. Loading checks every tensor against the model and names the one that is wrong.
+norm, and one metadata entry: a JSON string with the format, alpha, model type and the inputs used. The same model
+and inputs give the same bytes. Loading checks every tensor against the model and names the one that is
+wrong. max|X_j| is collected by `Calibrator`'s hooks at each norm's output while the float model runs.
 """
 from __future__ import annotations
 
@@ -30,16 +31,47 @@ MAX_SPREAD = 1e5
 MAX_METADATA_BYTES = 64 * 1024  # the JSON entry: format, alpha, model type, input names
 
 
+class Calibrator:
+    """`with Calibrator(model) as cal: generate(...)`: per-channel max |output| of every norm of the float
+    model (the activations its int8 linears will read), collected by forward hooks."""
+
+    def __init__(self, model):
+        self.model = model
+        self.absmax: dict = {}  # norm path -> per-channel max |output| (fp32, [D])
+        self._handles = []
+
+    def __enter__(self):
+        from ..patching.norm import NORMS
+
+        for cand in NORMS.candidates(self.model, None):
+            if not cand.reason:
+                self._handles.append(cand.module.register_forward_hook(self._hook(cand.path)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        return False
+
+    def _hook(self, path):
+        def hook(module, args, output):
+            y = output[0] if isinstance(output, tuple) else output
+            m = y.detach().abs().reshape(-1, y.shape[-1]).amax(0).to(torch.float32).cpu()
+            self.absmax[path] = m if path not in self.absmax else torch.maximum(self.absmax[path], m)
+        return hook
+
+
 def smooth_scales(model, absmax: dict, alpha: float) -> dict:
     """{norm path: s [D] fp32} for every recorded norm that has consumer linears."""
-    from ..patching import discovery
+    from ..patching.norm import NORMS
     from .plan import linears_after
 
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha: got {alpha}; expected a number in [0, 1]")
     out = {}
-    for cand in discovery.find_candidates(model):
-        if not cand.is_rms or cand.path not in absmax:
+    for cand in NORMS.candidates(model, None):
+        if cand.reason or cand.path not in absmax:
             continue
         found, _ = linears_after(model, cand)
         if not found:

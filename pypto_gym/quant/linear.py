@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from .. import config, ops
-from ..ops import reference
-from ..ops.dispatch import Stats
-from ..patching.swap import SwappedForward
+from ..ops import Stats
+from ..ops.quantize import quantize_rows
+from ..patching.site import SwappedForward, part
 from . import activations
 
 _SLOT = "_pypto_gym_quant_linear"
@@ -28,9 +28,16 @@ def quantize_weight(weight: torch.Tensor, smooth: torch.Tensor | None = None):
     w_scale = torch.empty(N, dtype=torch.float32, device=weight.device)
     for i in range(0, N, WEIGHT_CHUNK_ROWS):
         w = weight[i:i + WEIGHT_CHUNK_ROWS].detach().to(torch.float32)
-        w_q[i:i + WEIGHT_CHUNK_ROWS], w_scale[i:i + WEIGHT_CHUNK_ROWS] = reference.quantize_rows(
+        w_q[i:i + WEIGHT_CHUNK_ROWS], w_scale[i:i + WEIGHT_CHUNK_ROWS] = quantize_rows(
             w if smooth is None else w * smooth, "int8")
     return w_q, w_scale
+
+
+def linear_kind(path: str) -> str:
+    """`text.q_proj`, `vision.qkv`, `text.lm_head`, `vision.mlp.0`: where an int8 linear is, for reports and cases."""
+    parts = path.split(".")
+    name = ".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1]
+    return f"{part(path)}.{name}"
 
 
 class QuantLinear(SwappedForward):
@@ -45,7 +52,7 @@ class QuantLinear(SwappedForward):
         smooth = None if source is None else source.smooth
         self.inv_smooth = None if source is None or source.inv_smooth is None else source.inv_smooth.float()
         self.w_q, self.w_scale = quantize_weight(module.weight, smooth)
-        self.stats = Stats()
+        self.stats = Stats(site=linear_kind(path))  # a recorder files its quant_matmul calls under it
         self.float_weight_shared = False  # the float weight is also another module's (tied embeddings)
         self.handed_over = 0  # calls that took the norm's int8 rows as they were
         self.quantized_here = 0  # calls that quantised their float input per row
@@ -74,7 +81,7 @@ def quant_linear_forward(module, x):
             x = x.value()  # escaped, or another norm's rows: quantise the float values they stand for
     if got is None:
         xf = x.to(torch.float32)
-        q, scale = reference.quantize_rows(xf if ql.inv_smooth is None else xf * ql.inv_smooth, "int8")
+        q, scale = quantize_rows(xf if ql.inv_smooth is None else xf * ql.inv_smooth, "int8")
         ql.quantized_here += 1
     else:
         q, scale = got

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..patching.wrapper import has_hooks
+from ..patching.site import has_hooks
 from . import activations
 
 
@@ -23,6 +23,10 @@ class QuantNorm:
         self.consumer_modules: list[torch.nn.Module] = []
         self.bypassed: dict[str, int] = {}
 
+    def row(self) -> dict:
+        return {"int8_to": list(self.consumers), "smoothed": self.inv_smooth is not None,
+                "bypassed": dict(self.bypassed)}
+
     def _count(self, reason: str) -> None:
         self.bypassed[reason] = self.bypassed.get(reason, 0) + 1
 
@@ -31,18 +35,17 @@ class QuantNorm:
         returns the norm's output as QuantRows for the consumers, or as a float tensor where a hand-over
         could not be exact (hooks on the norm or a consumer see and may change a real float tensor)."""
         w = module._parameters["weight"]
-        call = site.call
         if x.dtype is not w.dtype or (residual is not None and residual.dtype is not x.dtype):
             self._count(f"activations are {x.dtype}, the norm weight {w.dtype}: ran as a float norm")
             if residual is None:
-                return call.rms_norm(x, w)
-            return call.add_rms_norm(residual, x, w)
+                return site.call(x, w)
+            return site.add_call(residual, x, w)
+        backend, stats = site.call.backend, site.stats
         if residual is None:
-            q, scale = ops.rms_norm_dynamic_quant(x, w, self.inv_smooth, None, site.eps, backend=call.backend,
-                                                  stats=call.stats)
+            q, scale = ops.rms_norm_dynamic_quant(x, w, self.inv_smooth, None, site.eps, backend=backend, stats=stats)
         else:
             q, _, x_out, scale, _ = ops.add_rms_norm_dynamic_quant(residual, x, w, self.inv_smooth, None, None,
-                                                                   site.eps, backend=call.backend, stats=call.stats)
+                                                                   site.eps, backend=backend, stats=stats)
         y = activations.issue(q, scale, self.smooth, x.dtype, self)
         if torch.compiler.is_compiling():
             y = y.value()  # a traced graph carries plain tensors

@@ -1,6 +1,6 @@
 """Turn a patched model's norm-fed linears into W8A8: which norms quantise, which linears go int8.
 
-The linears that read a norm's rows are named per model family (models/qwen2_5_vl.py); each name
+The linears that read a norm's rows are named per model family (models/<family>.py, W8A8_LINEARS); each name
 is checked against the model (an nn.Linear whose in_features is the norm's D) and a norm none of
 whose linears is found stays a float norm, with the reason in the report. Every other linear of
 the model stays in the model dtype and is listed with why.
@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from ..models.qwen2_5_vl import LINEARS_AFTER_NORM, LINEARS_AFTER_REGROUPED_NORM
+from .. import models
+from ..patching.norm import NormSite
 from . import calibration
 from .linear import QuantLinear, quant_linear_of
 from .norm import QuantNorm
-
-MODES = ("w8a8",)
 
 
 def _resolve(model, site, relative: str, regrouped: bool):
@@ -37,11 +36,22 @@ def _resolve(model, site, relative: str, regrouped: bool):
     return path, module
 
 
-def linears_after(model, site, table=LINEARS_AFTER_NORM):
-    """([(path, linear)], [(path, reason)]) of the linears `table` names for the site's kind."""
+def tables(model):
+    """(linears after each norm kind, linears after a regrouped norm) of the model's family."""
+    family = models.family_of(model)
+    if family is None:
+        name = getattr(getattr(model, "config", None), "model_type", None)
+        raise ValueError(f"quant: model_type {name!r} has no W8A8 linear table (families with one: "
+                         f"{', '.join(models.FAMILIES)})")
+    return family.W8A8_LINEARS, family.W8A8_REGROUPED
+
+
+def linears_after(model, site, regrouped: bool = False):
+    """([(path, linear)], [(path, reason)]) of the linears the model family names for the site's kind."""
+    table = tables(model)[1 if regrouped else 0]
     found, missing = [], []
     for relative in table.get(site.kind, ()):
-        path, got = _resolve(model, site, relative, table is LINEARS_AFTER_REGROUPED_NORM)
+        path, got = _resolve(model, site, relative, regrouped)
         (found if isinstance(got, torch.nn.Module) else missing).append((path, got))
     return found, missing
 
@@ -49,18 +59,19 @@ def linears_after(model, site, table=LINEARS_AFTER_NORM):
 class QuantPlan:
     """What W8A8 did to a patched model: quant norms, int8 linears, and every linear left in float."""
 
-    def __init__(self, calibration_path: str | None):
+    def __init__(self, calibration_path: str | None, sites: list):
         self.calibration = calibration_path
+        self.sites = sites
         self.norms: dict = {}  # site path -> QuantNorm
         self.linears: list[QuantLinear] = []
         self.float_linears: list[dict] = []
         self.skipped_norms: list[dict] = []
         self.calibration_ignored: list[str] = []  # norms of the file this patch does not quantise
 
-    def uninstall(self, sites) -> None:
+    def uninstall(self) -> None:
         for ql in self.linears:
             ql.uninstall()
-        for site in sites:
+        for site in self.sites:
             site.quant = None
 
     def to_json(self) -> dict:
@@ -80,10 +91,17 @@ class QuantPlan:
                 "calibration_ignored": list(self.calibration_ignored), "linears": rows}
 
 
-def install(model, sites, backend: str, calibration_path=None, known_norms=()) -> QuantPlan:
-    """Quantise the linears after every patched norm that has some; returns the plan (uninstall undoes it).
-    `known_norms`: every norm path of the model, patched or not (a calibration file may cover them all)."""
-    plan = QuantPlan(None if calibration_path is None else str(calibration_path))
+def install(model, state) -> QuantPlan:
+    """The "w8a8" quantisation mode of patch_model: quantise the linears after every patched norm that has
+    some; returns the plan (uninstall undoes it). A calibration file may cover every norm of the model,
+    patched or not (a `sites=` subset)."""
+    tables(model)  # a model of no known family is refused before anything changes
+    sites = [s for s in state.sites if isinstance(s, NormSite)]
+    backend, calibration_path = state.options.backend, state.options.calibration
+    known_norms = [p for e in state.entries for p in (e.paths if isinstance(e, NormSite) else
+                                                        e["paths"] if isinstance(e, dict) and e["op"] == "rms_norm"
+                                                        else ())]
+    plan = QuantPlan(None if calibration_path is None else str(calibration_path), sites)
     fed = {}
     for site in sites:
         found, missing = linears_after(model, site)
@@ -111,11 +129,11 @@ def install(model, sites, backend: str, calibration_path=None, known_norms=()) -
             for path, linear in found:
                 _add(plan, path, linear, qn, backend, f"int8 rows from {site.path} (fused norm + quant)")
         for site in sites:
-            found, _ = linears_after(model, site, LINEARS_AFTER_REGROUPED_NORM)
+            found, _ = linears_after(model, site, regrouped=True)
             for path, linear in found:
                 _add(plan, path, linear, None, backend, f"quantised per row here ({site.path}'s output regrouped)")
     except BaseException:
-        plan.uninstall(sites)
+        plan.uninstall()
         raise
     still_needed = {p.data_ptr() for m in model.modules() if quant_linear_of(m) is None
                     for p in m.parameters(recurse=False)}

@@ -1,4 +1,4 @@
-"""Stand-in for torch_npu: its documented signatures and limits, computed with pypto-gym's reference math.
+"""Stand-in for torch_npu: its documented signatures and limits, computed with pypto-gym's goldens.
 
 The only stand-in the project allows (SPEC 2.6): torch_npu cannot be installed without CANN, so
 the `npu` backend's mapping (argument names, output order and layout, casts, limits) is checked
@@ -16,13 +16,17 @@ against this module, written from torch_npu's API pages:
       (not on Atlas inference series chips); documented rows with pertoken_scale: output bf16 with
       scale fp32/bf16 and bias int32/bf16/fp32, or output fp16 with scale fp32 and bias int32/fp16/fp32;
       a float bias is added after dequantisation; x1, x2 and scale must not be empty.
+  npu_swiglu(input, dim=-1) -> swish(A) * B for the halves A, B of input along dim: 1-8 dims, dim's size
+      even, contiguous, not empty, fp32/fp16/bf16; Atlas A2/A3.
 `npu.get_device_name()` reports the chip this stand-in pretends to be (`DEVICE_NAME`).
 """
 import types
 
 import torch
 
-from pypto_gym.ops import reference
+from pypto_gym.ops import OPS
+from pypto_gym.ops.defs.norm_quant import normalise
+from pypto_gym.ops.quantize import pack_int4_to_int32, quantize_rows
 
 calls = []
 DEVICE_NAME = "Ascend910B2"
@@ -50,7 +54,7 @@ def npu_rms_norm(self, gamma, epsilon=1e-06):
     pairs = A2_A3_PAIRS if _a2_a3() else {(torch.float16, torch.float16), (torch.float32, torch.float32)}
     _check((self.dtype, gamma.dtype) in pairs, f"npu_rms_norm: unsupported dtypes {self.dtype}, {gamma.dtype}")
     _check(gamma.shape == self.shape[-1:], f"npu_rms_norm: gamma shape {tuple(gamma.shape)}")
-    y = reference.rms_norm(self, gamma.float(), epsilon, "fp32").to(self.dtype)  # fp32 math, one cast
+    y = OPS["rms_norm"].golden(self, gamma.float(), epsilon, "fp32").to(self.dtype)  # fp32 math, one cast
     return y, _rstd(self, epsilon)
 
 
@@ -60,7 +64,7 @@ def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-06):
     _check(x1.numel() > 0, "npu_add_rms_norm: empty tensors are not supported")
     _check(gamma.dtype == x1.dtype and gamma.shape == x1.shape[-1:], "npu_add_rms_norm: gamma must be [D] of x1's dtype")
     _check(_a2_a3() or x1.dtype != torch.bfloat16, "npu_add_rms_norm: no bfloat16 on this chip")
-    y, x = reference.add_rms_norm(x1, x2, gamma, epsilon, "fp32")
+    y, x = OPS["add_rms_norm"].golden(x1, x2, gamma, epsilon, "fp32")
     return y, _rstd(x, epsilon), x
 
 
@@ -86,14 +90,14 @@ def npu_add_rms_norm_dynamic_quant(x1, x2, gamma, *, smooth_scale1=None, smooth_
         out1, out2 = True, smooth_scale1 is not None and smooth_scale2 is not None
     dst = "int4" if int4 else "int8"
     x_out = x1 + x2
-    n = reference._normalise_for_quant(x_out, gamma, beta, epsilon)
+    n = normalise(x_out, gamma, beta, epsilon)
     results = []
     for wanted, smooth in ((out1, smooth_scale1), (out2, smooth_scale2)):
         if not wanted:
             results.append((torch.empty(0, dtype=torch.int32 if int4 else torch.int8), torch.empty(0)))
             continue
-        y, s = reference.quantize_rows(n if smooth is None else n * smooth.float(), dst)
-        results.append((reference.pack_int4_to_int32(y) if int4 else y, s))
+        y, s = quantize_rows(n if smooth is None else n * smooth.float(), dst)
+        results.append((pack_int4_to_int32(y) if int4 else y, s))
     (y1, s1), (y2, s2) = results
     return y1, y2, x_out, s1, s2
 
@@ -120,5 +124,16 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     _check(scale.dtype in scales, f"npu_quant_matmul: scale {scale.dtype} with output {output_dtype}")
     _check(bias is None or (bias.dtype in biases and tuple(bias.shape) == (n,)), "npu_quant_matmul: bias dtype/shape")
     _check(bias is None or bias.dtype != torch.int32, "npu_quant_matmul: an int32 bias is not modelled here")
-    return reference.quant_matmul(x1, x2.transpose(-1, -2), pertoken_scale, scale.float().expand(n), bias,
+    return OPS["quant_matmul"].golden(x1, x2.transpose(-1, -2), pertoken_scale, scale.float().expand(n), bias,
                                   output_dtype)
+
+
+def npu_swiglu(input, dim=-1):
+    calls.append("npu_swiglu")
+    _check(_a2_a3(), "npu_swiglu: Atlas A2/A3 only")
+    _check(1 <= input.dim() <= 8, f"npu_swiglu: input must have 1-8 dims, got {input.dim()}")
+    _check(input.numel() > 0 and input.is_contiguous(), "npu_swiglu: empty or non-contiguous input")
+    _check(input.dtype in (torch.float32, torch.float16, torch.bfloat16), f"npu_swiglu: dtype {input.dtype}")
+    _check(input.shape[dim] % 2 == 0, f"npu_swiglu: dim {dim} of size {input.shape[dim]} is odd")
+    a, b = input.chunk(2, dim=dim)
+    return OPS["swiglu"].golden(a, b, "fp32")  # computed in fp32, rounded once

@@ -1,21 +1,27 @@
-"""The `cpu` backend: fused C++ kernels (csrc/rms_norm_cpu.cpp), built once per machine and cached.
+"""The `cpu` backend's machinery: every op's fused C++ kernels (ops/defs/*.cpp), built once per machine.
 
-Why C++ rather than torch.compile: one build serves every dtype, D and row count (no recompiles,
-no guard overhead at one row). Why a pybind call rather than registering the kernels with the
-dispatcher (TORCH_LIBRARY_IMPL): measured side by side on [1, 1, 2048] bf16 (AMD EPYC, AVX-512
-BF16, 2026-11-30), the same kernel took 1.01 us through pybind and 1.83-1.97 us through
-`torch.ops`, a third of a decode-size norm call; the op layer's own `pypto_gym::*` custom ops
-already make every call visible to torch.compile, autograd and the profiler, and route to this
-kernel through the one dispatch path.
+Each op definition with a cpu kernel ships its C++ source next to it (ops/defs/<op>.cpp); the
+shared layer (SIMD, dtypes, row primitives) is csrc/common.h and the module csrc/module.cpp. They
+are compiled as one translation unit (a unity build: each op file is included, in name order),
+because the torch headers dominate compile time and one unit costs one header parse.
 
-The source is compiled for one instruction-set level (hardware.ISA_LEVELS): the best the CPU
-runs, unless a level is asked for (benchmarks compare them). Builds are cached under
-$PYPTO_GYM_CACHE (default ~/.cache/pypto_gym) in a folder keyed by the level, the flags, the
-source, the torch build and the Python, so a home directory shared by different CPUs or venvs
-never loads a build made for another. The build uses the ninja this package depends on (not
-whatever `ninja` is on PATH), and a build killed half-way cannot block later ones: the lock is an
-OS file lock, released when its process dies, and torch's own lock file, if left behind, is
-removed with a message.
+Why C++ rather than torch.compile: one build serves every dtype, shape and row count (no
+recompiles, no guard overhead at one row). Why a pybind call rather than registering the
+kernels with the dispatcher (TORCH_LIBRARY_IMPL): measured side by side on [1, 1, 2048] bf16
+(AMD EPYC, AVX-512 BF16, 2026-11-30), the same kernel took 1.01 us through pybind and 1.83-1.97 us
+through `torch.ops`, a third of a decode-size norm call; the op layer's own `pypto_gym::*` custom
+ops already make every call visible to torch.compile, autograd and the profiler.
+
+The sources are compiled for one instruction-set level (hardware.ISA_LEVELS): the best the CPU
+runs, unless a level is asked for (benchmarks and tests compare them, as backends `cpu_<level>`
+of the same family). Builds are cached under $PYPTO_GYM_CACHE (default ~/.cache/pypto_gym) in a
+folder keyed by content: the level, the flags, the sources, the torch and Python versions. So a
+home directory shared by different CPUs or venvs never loads a build made for another, and two
+clones of the same source share one. A complete build is imported without writing anything (a
+pre-built cache may be read-only). The build uses the ninja this package depends on (not whatever
+`ninja` is on PATH), and a build killed half-way cannot block later ones: the lock is an OS file
+lock, released when its process dies, and torch's own lock file, if left behind, is removed with
+a message.
 """
 from __future__ import annotations
 
@@ -29,11 +35,10 @@ from pathlib import Path
 import torch
 
 from ... import config, hardware
-from ..reference import QUANT_RANGES
-from ..registry import GAMMA_INDEX, Backend, register
-from ..validation import FLOAT_DTYPES
+from ..registry import Backend, register
 
-SOURCE = Path(__file__).with_name("csrc") / "rms_norm_cpu.cpp"
+CSRC = Path(__file__).with_name("csrc")
+DEFS = Path(__file__).resolve().parent.parent / "defs"
 ISA_FLAGS = {
     "avx512bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16"],
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"],
@@ -42,13 +47,22 @@ ISA_FLAGS = {
 }
 CFLAGS = ["-O3", "-fopenmp"]
 LOCK_WAIT_S = 900  # a live build takes under a minute; past this, say so instead of waiting forever
-MODES = {"hf": 0, "fp32": 1, "none": 2}
+
+
+def sources() -> list[Path]:
+    """What the build compiles, in order: every op's source (by name), then the module."""
+    return sorted(DEFS.glob("*.cpp")) + [CSRC / "module.cpp"]
+
+
+def _content() -> list[tuple[str, str]]:
+    return [(p.name, p.read_text()) for p in [CSRC / "common.h", *sources()]]
 
 
 def build_dir(isa: str) -> Path:
     """The build folder, keyed by content (source, flags, torch and Python versions), never by where
     they are installed: two clones or venvs with the same source and torch share one build."""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS + ISA_FLAGS[isa]), torch.__version__,
+    parts = [f"{name}\0{text}" for name, text in _content()]
+    key = hashlib.sha256("\0".join([*parts, " ".join(CFLAGS + ISA_FLAGS[isa]), torch.__version__,
                                     str(torch.version.git_version), sys.version]).encode()).hexdigest()[:16]
     return config.cache_dir() / f"cpu_kernels-{isa}-{key}"
 
@@ -127,6 +141,20 @@ def build_lock(folder: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _write_sources(folder: Path) -> Path:
+    """Copy the sources into the build folder and write the unity file that includes them (the same bytes
+    for every clone, so the build does not depend on where the package lives)."""
+    src = folder / "src"
+    src.mkdir(exist_ok=True)
+    for name, text in _content():
+        target = src / name
+        if not target.exists() or target.read_text() != text:
+            target.write_text(text)
+    unity = folder / f"{folder.name}.cpp"
+    unity.write_text("".join(f'#include "{p.name}"\n' for p in sources()))
+    return unity
+
+
 def build(isa: str):
     """Build (first time for this level and source) or load the kernels; returns the module."""
     from torch.utils.cpp_extension import load
@@ -139,9 +167,11 @@ def build(isa: str):
             if not any(folder.glob("*.so")):
                 print(f"pypto-gym: building the fused CPU kernels for {isa} (once per machine, ~1 min)...",
                       file=sys.stderr, flush=True)
+            unity = _write_sources(folder)
             with _package_ninja():
-                module = load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
-                              extra_cflags=CFLAGS + ISA_FLAGS[isa], extra_ldflags=["-fopenmp"], verbose=False)
+                module = load(name=name, sources=[str(unity)], build_directory=str(folder),
+                              extra_include_paths=[str(folder / "src")], extra_cflags=CFLAGS + ISA_FLAGS[isa],
+                              extra_ldflags=["-fopenmp"], verbose=False)
             (folder / COMPLETE).write_text(isa + "\n")
     if module.isa() != isa:
         raise RuntimeError(f"cpu kernels in {folder} were compiled for {module.isa()}, not {isa}")
@@ -149,7 +179,11 @@ def build(isa: str):
 
 
 class CpuBackend(Backend):
+    """The C++ kernels for one instruction-set level. Every level is the `cpu` family: op definitions
+    register one implementation, `fn(backend, *args)`, calling `backend.ext`, the compiled module."""
+
     devices = ("cpu",)
+    family = "cpu"
 
     def __init__(self, isa: str | None = None, name: str = "cpu"):
         self.name = name
@@ -157,6 +191,10 @@ class CpuBackend(Backend):
         self._ext = None
         self._error = None
         self.build_seconds = None
+
+    @property
+    def ext(self):
+        return self._ext if self._ext is not None else self.extension()
 
     def extension(self):
         """The compiled kernels (built or loaded on first use; the reason is kept if that fails)."""
@@ -175,38 +213,9 @@ class CpuBackend(Backend):
         return self._ext
 
     def unavailable_reason(self):
-        self.extension()
+        if self._ext is None:
+            self.extension()
         return self._error
 
-    def supports(self, op, args):
-        x, gamma = args[0], (None if op == "quant_matmul" else args[GAMMA_INDEX[op]])
-        if self._ext is not None and x.is_cpu and (gamma is None or gamma.dtype in FLOAT_DTYPES):
-            return None  # fast path: every patched norm and int8 linear asks this on every call
-        reason = super().supports(op, args)
-        if reason is None and gamma is not None and gamma.dtype not in FLOAT_DTYPES:
-            reason = f"gamma dtype {str(gamma.dtype).replace('torch.', '')} not supported"
-        return reason
-
-    def rms_norm(self, x, gamma, eps, cast_mode):
-        return self._ext.rms_norm(x, gamma, eps, MODES[cast_mode])
-
-    def add_rms_norm(self, x1, x2, gamma, eps, cast_mode):
-        return self._ext.add_rms_norm(x1, x2, gamma, eps, MODES[cast_mode])
-
-    def rms_norm_dynamic_quant(self, x, gamma, smooth_scales, beta, eps, dst_type):
-        y, _, _, scale, _ = self._ext.quant(x, None, gamma, smooth_scales, None, beta, eps, *QUANT_RANGES[dst_type])
-        return y, scale
-
-    def add_rms_norm_dynamic_quant(self, x1, x2, gamma, smooth_scale1, smooth_scale2, beta, eps, dst_type):
-        return tuple(self._ext.quant(x1, x2, gamma, smooth_scale1, smooth_scale2, beta, eps, *QUANT_RANGES[dst_type]))
-
-    def quant_matmul(self, x_q, w_q, x_scale, w_scale, bias, out_dtype):
-        """torch._int_mm (oneDNN's int8 GEMM with int32 accumulation; VNNI where the CPU has it), then
-        the reference's epilogue in its order as one pass (`dequant`). Chosen by measurement over
-        torch's other int8 GEMMs (README, "int8 GEMMs"): the fastest that takes int8 rows with
-        per-row scales as they are and stays bit-identical to the reference."""
-        K, N = x_q.shape[-1], w_q.shape[0]
-        acc = torch._int_mm(x_q.reshape(-1, K), w_q.t())
-        return self._ext.dequant(acc, x_scale, w_scale, bias, out_dtype).reshape(*x_q.shape[:-1], N)
 
 register(CpuBackend())

@@ -1,4 +1,12 @@
-"""The `pypto` backend: PyPTO JIT kernels (pypto_kernels.py) for all four ops.
+"""The `pypto` backend's machinery: compiling and running PyPTO JIT kernels, and what a SIM run tells.
+
+Each op definition writes its PyPTO kernel as a factory `kernel(pypto) -> function` (so PyPTO is
+imported only when a kernel is first needed) and launches it with `backend.launch(...)`. Kernels
+see 2-D row tensors [R, D] and per-channel vectors as [1, D], take their tile shape (rows, cols)
+as the last two arguments, and follow two rules PyPTO 0.2.0 imposes: outputs are assigned last,
+in the order they are declared (PyPTO numbers outputs by first assignment, which is how this
+module matches the verification dumps to outputs), and no tensor is read after it has been
+assigned to an output. Shared helpers for kernel bodies live in pypto_lib.py.
 
 NPU tensors run the kernels with RunMode.NPU. CPU tensors run the same kernels through PyPTO's
 compiler in RunMode.SIM: PyPTO executes the compiled program with its CPU calculator after its
@@ -9,13 +17,14 @@ the call. On CPU this backend verifies kernels and estimates NPU time; it is not
 
 PyPTO 0.2.0 compiles and simulates on every SIM call (it cannot run a cached program on CPU), so
 each call's result (outputs, verdicts, estimate) is cached on disk, keyed by everything that
-decides it: the inputs' bytes, the kernel, tile configuration and scalars, and the source of the
-kernels and of this backend. Adaptations of PyPTO 0.2.0 internals live in pypto_compat.py.
+decides it: the inputs' bytes, the kernel's source, tile configuration and scalars, and the
+source of this machinery. Adaptations of PyPTO 0.2.0 internals live in pypto_compat.py.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -27,14 +36,11 @@ from pathlib import Path
 import torch
 
 from ... import files
-from ..reference import QUANT_RANGES, out_dtype
-from ..registry import GAMMA_INDEX, Backend, register
-from ..validation import FLOAT_DTYPES
+from ..registry import Backend, register
 
 UB_BYTES = 192 * 1024  # Ascend 910B unified buffer per vector core
 LIVE_FP32_ROWS = 3  # x, the normalised row and one temporary, all fp32, live in one tile
-MODES = {"hf": 0, "fp32": 1, "none": 2}
-_SOURCES = [Path(__file__).with_name(n) for n in ("pypto_kernels.py", "pypto_backend.py", "pypto_compat.py")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("pypto_lib.py", "pypto_backend.py", "pypto_compat.py")]
 
 
 @dataclass(frozen=True)
@@ -65,14 +71,13 @@ def clear_tuned() -> None:
     _tuned.cache_clear()
 
 
-def tile_config(op: str, R: int, D: int) -> Tiles:
+def tile_config(op: str, R: int, D: int, align: int = 16) -> Tiles:
     """The tile configuration for one call. Columns: the reduce axis stays whole where one fp32 row
     fits the unified buffer (reference 000's advice), padded by PyPTO to 32-byte rows, so D need
     not be a multiple of 8; wider rows are split and PyPTO reduces across column tiles. Rows and
     the merge count: from pypto_tiling.json for the shape classes tuned on SIM's 910B2 cost model
     (`scripts/bench.py pypto FILE --tune`), else as many rows as fit, up to 8."""
-    align = 32 if op.endswith("quant") else 16  # 32-byte rows for the narrowest dtype in the tile
-    cols = -(-D // align) * align
+    cols = -(-D // align) * align  # 32-byte rows for the narrowest dtype in the tile (int8 outputs: 32)
     per_row = cols * 4 * LIVE_FP32_ROWS
     if per_row > UB_BYTES:  # split reduction: the fewest equal column tiles that fit
         parts = -(-per_row // UB_BYTES)
@@ -98,10 +103,6 @@ class RunInfo:
     cached: bool = False
 
 
-NO_MATMUL = ("quant_matmul is not provided: PyPTO 0.2.0's int8 pypto.matmul runs on the cube unit, whose "
-             "tiling and SIM verification this backend does not have yet")
-
-
 class PyptoBackend(Backend):
     name = "pypto"
     devices = ("cpu", "npu")
@@ -122,48 +123,52 @@ class PyptoBackend(Backend):
                 self._error = str(e)
             else:
                 self._error = ""
-        return self._error or self._poisoned
-
-    def supports(self, op, args):
-        if op == "quant_matmul":
-            return NO_MATMUL
-        x, gamma = args[0], args[GAMMA_INDEX[op]]
-        reason = super().supports(op, args)
-        if reason:
-            return reason
-        if x.device.type == "npu" and not hasattr(torch, "npu"):
-            return "torch_npu not imported"
-        if gamma is not None and gamma.dtype not in FLOAT_DTYPES:
-            return f"gamma dtype {str(gamma.dtype).replace('torch.', '')} not supported"
+        if self._error or self._poisoned:
+            return self._error or self._poisoned
         return None
 
+    @staticmethod
+    def runs_on(t: torch.Tensor) -> str | None:
+        """Why a tensor's device cannot run here (None if it can): NPU tensors need torch_npu imported."""
+        return "torch_npu not imported" if t.device.type == "npu" and not hasattr(torch, "npu") else None
+
     # -- plumbing ---------------------------------------------------------------------------------
-    def _kernel(self, device_type: str, name: str, nbuffer: int):
+    def _kernel(self, device_type: str, name: str, factory, nbuffer: int):
         import pypto
 
         from . import pypto_compat
-        from .pypto_kernels import make_kernels
 
         pypto_compat.apply()
         mode = pypto.RunMode.NPU if device_type == "npu" else pypto.RunMode.SIM
-        if (mode, nbuffer) not in self._kernels:
-            self._kernels[mode, nbuffer] = make_kernels(mode, nbuffer)
-        return self._kernels[mode, nbuffer][name]
+        key = (name, mode, nbuffer)
+        if key not in self._kernels:
+            opts = {"runtime_options": {"run_mode": mode}}
+            if nbuffer:
+                opts["pass_options"] = {"vec_nbuffer_setting": {-1: nbuffer}}
+            if mode == pypto.RunMode.SIM:
+                # verified after the deepest pass that still holds whole tensors, and the last pass before codegen
+                opts["verify_options"] = {"enable_pass_verify": True,
+                                          "pass_verify_pass_filter": ["InferDynShape", "CodegenPreproc"]}
+            self._kernels[key] = pypto.frontend.jit(**opts)(factory(pypto))
+        return self._kernels[key]
 
-    def _launch(self, name: str, x: torch.Tensor, inputs: list, outputs: list, scalars: list):
-        """Run one kernel (outputs are written in place); on CPU record `last_run`, from cache if seen."""
+    def launch(self, name: str, factory, x: torch.Tensor, inputs: list, outputs: list, scalars: list,
+               tiles: "Tiles | None" = None, align: int = 16):
+        """Run kernel `name` (made by `factory(pypto)`) on 2-D `inputs`, writing `outputs` in place; tiles
+        from the tuning table / the default rule for x's rows unless given. On CPU: record `last_run`,
+        served from the result cache if this exact call was verified before."""
         from . import pypto_compat
 
         R, D = x.numel() // x.shape[-1], x.shape[-1]
-        tiles = tile_config(name, R, D)
+        tiles = tiles or tile_config(name, R, D, align)
         args = (*inputs, *outputs, *scalars, tiles.rows, tiles.cols)
         if x.device.type == "npu":
-            self._kernel(x.device.type, name, tiles.nbuffer)(*args)
+            self._kernel(x.device.type, name, factory, tiles.nbuffer)(*args)
             return
-        key = _cache_key(name, tiles, inputs, outputs, scalars)
+        key = _cache_key(name, factory, tiles, inputs, outputs, scalars)
         if _load_cached(key, outputs, self):  # before anything is created: a read-only cache serves hits
             return
-        kernel = self._kernel(x.device.type, name, tiles.nbuffer)
+        kernel = self._kernel(x.device.type, name, factory, tiles.nbuffer)
         pypto_compat.ensure_calculator()  # a first build says so on the terminal, not in PyPTO's log
         scratch = pypto_compat.scratch_dir()
         try:
@@ -189,77 +194,18 @@ class PyptoBackend(Backend):
             if child.is_dir():
                 shutil.rmtree(child, ignore_errors=True)
 
-    @staticmethod
-    def _rows(t):
-        return t.reshape(-1, t.shape[-1]).contiguous()
 
-    @staticmethod
-    def _vec(t, D, like, fill):
-        if t is None:
-            return torch.full((1, D), fill, dtype=like.dtype, device=like.device)
-        return t.reshape(1, D).contiguous()
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as the 2-D contiguous rows [R, D] every kernel sees."""
+    return t.reshape(-1, t.shape[-1]).contiguous()
 
-    # -- ops --------------------------------------------------------------------------------------
-    def rms_norm(self, x, gamma, eps, cast_mode):
-        D = x.shape[-1]
-        out = torch.empty(x.shape, dtype=out_dtype(x, gamma, cast_mode), device=x.device)
-        if x.numel():
-            g = self._gamma(gamma, D, x, cast_mode)
-            self._launch("rms_norm", x, [self._rows(x), g], [out.view(-1, D)], [float(eps), 1.0 / D, MODES[cast_mode]])
-        return out
 
-    def add_rms_norm(self, x1, x2, gamma, eps, cast_mode):
-        D = x1.shape[-1]
-        out = torch.empty(x1.shape, dtype=out_dtype(x1, gamma, cast_mode), device=x1.device)
-        x_out = torch.empty_like(x1, memory_format=torch.contiguous_format)
-        if x1.numel():
-            g = self._gamma(gamma, D, x1, cast_mode)
-            self._launch("add_rms_norm", x1, [self._rows(x1), self._rows(x2), g],
-                         [out.view(-1, D), x_out.view(-1, D)], [float(eps), 1.0 / D, MODES[cast_mode]])
-        return out, x_out
-
-    def _gamma(self, gamma, D, x, cast_mode):
-        g = self._vec(gamma, D, x, 1.0)
-        return g.to(x.dtype) if cast_mode == "none" else g  # no-cast: everything in x's dtype
-
-    def residual_add(self, x1, x2):
-        """x1 + x2 as its own PyPTO kernel: the unfused baseline for benchmarks (sets last_run)."""
-        out = torch.empty_like(x1, memory_format=torch.contiguous_format)
-        self._launch("residual_add", x1, [self._rows(x1), self._rows(x2)], [out.view(-1, x1.shape[-1])], [])
-        return out
-
-    def rms_norm_dynamic_quant(self, x, gamma, smooth_scales, beta, eps, dst_type):
-        D = x.shape[-1]
-        y = torch.empty(x.shape, dtype=torch.int8, device=x.device)
-        scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        if x.numel():
-            qmax, qmin = QUANT_RANGES[dst_type]
-            self._launch("rms_norm_dynamic_quant", x,
-                         [self._rows(x), self._vec(gamma, D, x, 1.0), self._vec(smooth_scales, D, x, 1.0),
-                          self._vec(beta, D, x, 0.0)], [y.view(-1, D), scale.view(-1, 1)],
-                         [float(eps), 1.0 / D, qmax, qmin])
-        return y, scale
-
-    def add_rms_norm_dynamic_quant(self, x1, x2, gamma, smooth_scale1, smooth_scale2, beta, eps, dst_type):
-        D = x1.shape[-1]
-        two = smooth_scale2 is not None
-        y1 = torch.empty(x1.shape, dtype=torch.int8, device=x1.device)
-        y2 = torch.empty_like(y1) if two else None
-        x_out = torch.empty_like(x1, memory_format=torch.contiguous_format)
-        s1 = torch.empty(x1.shape[:-1], dtype=torch.float32, device=x1.device)
-        s2 = torch.empty_like(s1) if two else None
-        if x1.numel():
-            qmax, qmin = QUANT_RANGES[dst_type]
-            vec = [self._vec(gamma, D, x1, 1.0), self._vec(smooth_scale1, D, x1, 1.0)]
-            if two:
-                vec.append(self._vec(smooth_scale2, D, x1, 1.0))
-                outs = [y1.view(-1, D), y2.view(-1, D), x_out.view(-1, D), s1.view(-1, 1), s2.view(-1, 1)]
-            else:
-                outs = [y1.view(-1, D), x_out.view(-1, D), s1.view(-1, 1)]
-            self._launch("add_rms_norm_dynamic_quant2" if two else "add_rms_norm_dynamic_quant", x1,
-                         [self._rows(x1), self._rows(x2), *vec, self._vec(beta, D, x1, 0.0)], outs,
-                         [float(eps), 1.0 / D, qmax, qmin])
-        return y1, y2, x_out, s1, s2
+def vector(t, D: int, like: torch.Tensor, fill: float) -> torch.Tensor:
+    """A per-channel vector as [1, D]; an absent one as its neutral value (gamma 1, beta 0, smooth 1),
+    which leaves results bit-identical and keeps one kernel per op."""
+    if t is None:
+        return torch.full((1, D), fill, dtype=like.dtype, device=like.device)
+    return t.reshape(1, D).contiguous()
 
 
 # ---- the per-call result cache (SIM only) --------------------------------------------------------
@@ -269,10 +215,11 @@ def _results_dir() -> Path:
     return pypto_compat.cache_dir() / "results"
 
 
-def _cache_key(name, tiles, inputs, outputs, scalars) -> str:
+def _cache_key(name, factory, tiles, inputs, outputs, scalars) -> str:
     h = hashlib.sha256()
     for src in _SOURCES:
         h.update(src.read_bytes())
+    h.update(Path(inspect.getsourcefile(factory)).read_bytes())  # the definition module: kernel and helpers
     h.update(repr((name, str(tiles), tiles.nbuffer, [float(s) for s in scalars])).encode())
     for t in [*inputs, *outputs]:
         h.update(repr((str(t.dtype), tuple(t.shape))).encode())

@@ -1,4 +1,5 @@
-"""Fuse `residual + h` followed by the next norm into one `add_rms_norm`, by rewriting layer forwards.
+"""The residual-add rule: `residual + h` followed by the next norm becomes one `add_rms_norm`, by
+rewriting layer forwards.
 
 transformers' layers (Qwen2/2.5-VL/Qwen3 decoder layers, Qwen2.5-VL vision blocks, and remote-code
 copies of them) differ between versions in arguments and return values, so rather than keeping a
@@ -8,7 +9,7 @@ statement patterns are rewritten; everything else stays verbatim:
   decoder:  H = R + H ; R = H ; ... self.NORM(H) ...   ->  __n, R = add_norm(self.NORM, H, R) ; H = R ; ... __n ...
   vision:   H = H + E ; ... self.NORM(H) ...           ->  __n, H = add_norm(self.NORM, E, H) ; ... __n ...
 
-NORM must be a patched site. `add_norm` (wrapper.py) reaches the rewritten code as a closure
+NORM must be a patched norm site. `add_norm` (norm.py) reaches the rewritten code as a closure
 variable: the function keeps the layer module's own globals (live, so a later monkeypatch of
 that module is still seen) and nothing is added to them. A class whose forward has neither
 pattern, or whose source cannot be read or recompiled, is left alone and the reason reported.
@@ -30,10 +31,9 @@ import textwrap
 
 import torch
 
-from .. import ops
-from ..ops.dispatch import Stats
-from .swap import SwappedForward
-from .wrapper import add_norm, site_of
+from ..ops import dispatch
+from .norm import add_norm, norm_site
+from .site import SwappedForward, torch_hooks_set_aside
 
 _FUSED_NAME = "_pypto_gym_normed"
 _HELPER = "_pypto_gym_add_norm"
@@ -192,7 +192,7 @@ class FusedLayer(SwappedForward):
     def install(self) -> None:
         super().install()
         for name in self.fused:
-            site_of(getattr(self.module, name)).fused = True
+            norm_site(getattr(self.module, name)).fused = True
 
     def verify(self, args, kwargs):
         """Compare the rewritten forward with the original on copies of this call's inputs; cache the verdict."""
@@ -206,7 +206,7 @@ class FusedLayer(SwappedForward):
         _verified[self.key] = verdict
         if verdict is not True:
             for name in self.fused:
-                site_of(getattr(self.module, name)).fused = False
+                norm_site(getattr(self.module, name)).fused = False
         return verdict
 
 
@@ -219,7 +219,7 @@ def fused_layer_forward(module, *args, **kwargs):
     if verdict is None or verdict is True:
         return layer.function(module, *args, **kwargs)
     for name in layer.fused:  # a layer of a rejected class met for the first time
-        site_of(getattr(module, name)).fused = False
+        norm_site(getattr(module, name)).fused = False
     return layer.original(*args, **kwargs)
 
 
@@ -228,26 +228,15 @@ FusedLayer.FORWARD = fused_layer_forward
 
 @contextlib.contextmanager
 def _reference_and_no_hooks(module):
-    """Inside `module`: sites on the torch backend with scratch counters, torch hooks set aside."""
-    from torch.nn.modules import module as nn_module
-
-    sites = [s for s in (site_of(m) for m in module.modules()) if s is not None]
-    saved_sites = [(s, s.call, dict(s.bypassed)) for s in sites]
-    hook_dicts = [d for m in module.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
-    hook_dicts += [nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks]
-    saved_hooks = [(d, dict(d)) for d in hook_dicts]
+    """Inside `module`: every op call on the golden, uncounted; torch hooks set aside; bypass counts kept."""
+    sites = [s for s in (norm_site(m) for m in module.modules()) if s is not None]
+    saved_bypassed = [(s, dict(s.bypassed)) for s in sites]
     try:
-        for s in sites:
-            c = s.call
-            s.call = ops.BoundNorm(s.module.weight, c.eps, c.cast_mode, "torch", Stats())
-        for d in hook_dicts:
-            d.clear()
-        yield
+        with torch_hooks_set_aside(module), dispatch.reference():
+            yield
     finally:
-        for s, call, bypassed in saved_sites:
-            s.call, s.bypassed = call, bypassed
-        for d, items in saved_hooks:
-            d.update(items)
+        for s, bypassed in saved_bypassed:
+            s.bypassed = bypassed
 
 
 def _tensors(obj):
@@ -282,3 +271,23 @@ def _compare_forwards(layer: FusedLayer, args, kwargs) -> tuple[float, float]:
         diff = max(diff, float(d.max()))
         scale = max(scale, float(a.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs().max()))
     return diff, scale
+
+
+def fuse_layers(model, layers: list) -> list[dict]:
+    """Rewrite every layer that has patched norm children and a recognised residual pattern (appended to
+    `layers`); returns the rows of layers that have a fusable norm but could not be rewritten, with why."""
+    skipped = []
+    for path, module in model.named_modules():
+        norms = frozenset(name for name, child in module.named_children() if norm_site(child) is not None)
+        if not norms:
+            continue
+        fn, fused, reason = fused_forward(type(module), norms)
+        if fn is None:
+            kinds = {norm_site(getattr(module, n)).kind for n in norms}
+            if kinds & {"text.post_attention_layernorm", "vision.norm2"}:
+                skipped.append({"path": path, "reason": reason})
+            continue
+        layer = FusedLayer(path, module, norms, fused)
+        layer.install()
+        layers.append(layer)
+    return skipped

@@ -1,0 +1,59 @@
+"""The `pypto-gym` command: bring a HuggingFace model to fused kernels, check them, measure them.
+
+One module per subcommand (infer, capture, calibrate, cases, bench, make_tiny); scripts/*.py are
+thin aliases of the same subcommands. Exit status: 0 success (benchmarks: every goal met), 1 a case
+failed or was not run (benchmarks: a goal missed), 2 bad usage or input (one line on stderr, no
+traceback; PYPTO_GYM_DEBUG=1 shows it), 130 interrupted.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from . import bench, calibrate, capture, cases, infer, make_tiny
+from .common import Parser, UserError
+
+DESCRIPTION = """Patch a HuggingFace model (Qwen2.5-VL / GutenOCR-3B, Qwen2-VL, Qwen3, Llama) with fused kernels
+(PyPTO, torch_npu, or fused CPU kernels), capture the real shapes its sites see as test cases, check every
+kernel against a golden on them, and measure what the swap buys."""
+
+EPILOG = """examples:
+  pypto-gym infer --use_pto                            generate with the embedded model, patched
+  pypto-gym capture --out cases.json                   record every site's real shapes
+  pypto-gym cases run cases.json --backend cpu         check a backend against the goldens
+  pypto-gym bench ops                                  op-level benchmarks (ratios, goals, JSON, PNG)
+environment: USE_PTO_RMS_NORM, PYPTO_GYM_BACKEND, PYPTO_GYM_SITES, PYPTO_GYM_FUSE_RESIDUAL, PYPTO_GYM_STRICT,
+PYPTO_GYM_CACHE (see README)."""
+
+COMMANDS = (infer, capture, calibrate, cases, bench, make_tiny)
+
+
+def build_parser() -> Parser:
+    import argparse
+
+    ap = Parser(prog="pypto-gym", description=DESCRIPTION, epilog=EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return ap
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        # every file is written atomically at the end of a command: an interrupted one wrote nothing
+        print(f"pypto-gym {args.command}: interrupted; nothing written", file=sys.stderr)
+        return 130
+    except (UserError, OSError, ValueError, TypeError, RuntimeError) as e:
+        if os.environ.get("PYPTO_GYM_DEBUG"):
+            raise
+        text = " ".join(str(e).split()) or type(e).__name__
+        print(f"pypto-gym {args.command}: error: {text}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["main", "build_parser", "UserError"]

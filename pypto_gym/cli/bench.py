@@ -1,0 +1,120 @@
+"""`pypto-gym bench ...` (scripts/bench.py): benchmarks that print ratios, PASS/FAIL goal lines and write JSON/PNG."""
+from __future__ import annotations
+
+from .common import BENCH_OUT, POSITIVE, UserError, bench_outputs
+
+
+def add_parser(sub):
+    p = sub.add_parser("bench", help="benchmarks: ops, cases, pypto, e2e, gemm, w8a8 (ratios, JSON, PNG)")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True)
+    b = bench_sub.add_parser("ops", help="each op vs HF eager, the torch reference and clone()")
+    b.add_argument("--dtypes", default="bfloat16", help="comma list of bfloat16,float16,float32")
+    b.add_argument("--quick", action="store_true", help="fewer shapes")
+    b.add_argument("--rounds", type=POSITIVE, default=15, help="interleaved rounds per shape (median reported)")
+    b.add_argument("--no-pin-allocator", action="store_true",
+                   help="time with glibc's default mmap/trim behaviour (page faults make large shapes bimodal)")
+    b.add_argument("--isa", default="best", help="cpu kernel levels to time: best (default), all, or a comma list "
+                                                 "of avx512bf16,avx512,avx2,generic")
+    b.add_argument("--json", help=f"default: {BENCH_OUT}/ops.json")
+    b.add_argument("--png", help=f"default: {BENCH_OUT}/ops.png")
+    b.set_defaults(func=cmd_bench_ops)
+    b = bench_sub.add_parser("e2e", help="end to end at GutenOCR-3B dims: unpatched vs patched variants")
+    b.add_argument("--num-layers", type=POSITIVE, default=4)
+    b.add_argument("--vision-depth", type=POSITIVE, default=4)
+    b.add_argument("--repeats", type=POSITIVE, default=3, help="interleaved rounds (median reported)")
+    b.add_argument("--max-new-tokens", type=POSITIVE, default=16)
+    b.add_argument("--image", help="default: the document page in modeling/gutenocr_3b/")
+    b.add_argument("--quick", action="store_true", help="2 layers, 2 blocks, 2 rounds, 8 tokens")
+    b.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                   help="model dtype (default: bfloat16 on a CPU with AVX512-BF16 or AMX, else float32)")
+    b.add_argument("--quant", choices=["w8a8"], help="add a W8A8 variant (patched cpu, int8 linears)")
+    b.add_argument("--json", help=f"default: {BENCH_OUT}/e2e.json")
+    b.add_argument("--png", help=f"default: {BENCH_OUT}/e2e.png")
+    b.set_defaults(func=cmd_bench_e2e)
+    b = bench_sub.add_parser("cases", help="every captured case timed per backend (+ pypto's NPU estimate)")
+    b.add_argument("file")
+    b.add_argument("--backends", default="torch,cpu", help="comma list, e.g. torch,cpu,pypto")
+    b.add_argument("--rounds", type=POSITIVE, default=9)
+    b.add_argument("--json", default=None)
+    b.set_defaults(func=cmd_bench_cases)
+    b = bench_sub.add_parser("gemm", help="int8 GEMM candidates vs bf16 F.linear (decode and prefill shapes)")
+    b.add_argument("--rounds", type=POSITIVE, default=9)
+    b.add_argument("--json", help=f"default: {BENCH_OUT}/gemm.json")
+    b.add_argument("--png", help=f"default: {BENCH_OUT}/gemm.png")
+    b.set_defaults(func=cmd_bench_gemm)
+    b = bench_sub.add_parser("w8a8", help="W8A8 accuracy vs the float model, with and without smoothing")
+    b.add_argument("--quick", action="store_true", help="one image, one GutenOCR layer")
+    b.add_argument("--json", help=f"default: {BENCH_OUT}/w8a8.json")
+    b.add_argument("--png", help=f"default: {BENCH_OUT}/w8a8.png")
+    b.set_defaults(func=cmd_bench_w8a8)
+    b = bench_sub.add_parser("pypto", help="PyPTO's estimated 910B time per case vs the HBM bound")
+    b.add_argument("file")
+    b.add_argument("--tune", action="store_true", help="first tune the tiles per shape class of FILE (rewrites "
+                                                         "pypto_gym/ops/backends/pypto_tiling.json; about an hour)")
+    b.add_argument("--json", help=f"default: {BENCH_OUT}/pypto.json")
+    b.add_argument("--png", help=f"default: {BENCH_OUT}/pypto.png")
+    b.set_defaults(func=cmd_bench_pypto)
+
+
+def cmd_bench_ops(args) -> int:
+    from .. import hardware
+    from ..bench import ops_bench
+
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in ops_bench.DTYPES]
+    if bad or not dtypes:
+        raise UserError(f"--dtypes: got {args.dtypes!r}; expected a comma list of {', '.join(ops_bench.DTYPES)}")
+    levels = [name for name, _ in hardware.ISA_LEVELS]
+    isas = [i.strip() for i in args.isa.split(",") if i.strip()]
+    if isas == ["all"]:
+        isas = [i for i in levels if hardware.supports_isa(i)]
+    elif isas == ["best"]:
+        isas = [hardware.best_isa()]
+    for isa in isas:
+        if isa not in levels or not hardware.supports_isa(isa):
+            raise UserError(f"--isa: got {isa!r}; this CPU runs {', '.join(i for i in levels if hardware.supports_isa(i))}")
+    json_path, png_path = bench_outputs(args, "ops")
+    return ops_bench.run(dtypes, args.quick, args.rounds, json_path, png_path, pin=not args.no_pin_allocator,
+                         isas=isas)
+
+
+def cmd_bench_e2e(args) -> int:
+    from ..bench import e2e_bench
+
+    json_path, png_path = bench_outputs(args, "e2e")
+    return e2e_bench.run(args.num_layers, args.vision_depth, args.repeats, args.max_new_tokens, args.image,
+                         args.quick, json_path, png_path, args.dtype, args.quant)
+
+
+def cmd_bench_cases(args) -> int:
+    from ..bench import cases_bench
+    from ..ops import registry
+
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    bad = [b for b in backends if b not in registry.BACKENDS]
+    if bad or not backends:
+        raise UserError(f"--backends: got {args.backends!r}; expected a comma list of {', '.join(registry.BACKENDS)}")
+    return cases_bench.run_cases(args.file, backends, args.rounds, args.json)
+
+
+def cmd_bench_pypto(args) -> int:
+    from ..bench import cases_bench
+
+    json_path, png_path = bench_outputs(args, "pypto")
+    return cases_bench.run_pypto(args.file, json_path, png_path, tune=args.tune)
+
+
+def cmd_bench_gemm(args) -> int:
+    from ..bench import w8a8_bench
+
+    json_path, png_path = bench_outputs(args, "gemm")
+    return w8a8_bench.run_gemm(args.rounds, json_path, png_path)
+
+
+def cmd_bench_w8a8(args) -> int:
+    from ..bench import w8a8_bench
+
+    json_path, png_path = bench_outputs(args, "w8a8")
+    return w8a8_bench.run_accuracy(args.quick, json_path, png_path)
+
+

@@ -1,0 +1,27 @@
+"""`pypto-gym make-tiny-model` (scripts/make_tiny_model.py): rebuild a family's embedded tiny checkpoint."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import common
+
+
+def add_parser(sub):
+    from .. import models
+
+    names = [f.NAME for f in models.tiny_families()]
+    p = sub.add_parser("make-tiny-model", help="rebuild an embedded tiny checkpoint (deterministic: same bytes)")
+    p.add_argument("--family", default=models.DEFAULT.NAME, choices=names)
+    p.add_argument("--out", type=Path, help="directory (default: the family's checkpoint in modeling/)")
+    p.add_argument("--seed", type=common.NON_NEGATIVE, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from .. import models
+
+    family = models.FAMILIES[args.family]
+    out = args.out or family.TINY_DIR
+    family.build_tiny(out, args.seed)
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,10 @@
+"""The op definitions: one module per op (or per pair of ops sharing a formula), each with its C++ source.
+
+Importing this package imports every module in it, in name order, which registers each op (op.Op);
+nothing else lists them.
+"""
+import importlib
+import pkgutil
+
+for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    importlib.import_module(f"{__name__}.{_info.name}")

@@ -1,0 +1,89 @@
+// rms_norm_dynamic_quant and add_rms_norm_dynamic_quant (defs/norm_quant.py): the norm, the optional
+// beta and smooth scales, and per-row symmetric quantisation in one pass per row.
+#include "common.h"
+
+namespace {
+
+// ---- dynamic quantisation: n = x / rms(x) * gamma (+ beta); branch k: n * smooth_k; per-row scale.
+template <class X>
+void quant_impl(const at::Tensor& x, const at::Tensor* x2, at::Tensor* xo, const at::Tensor& g,
+                const at::Tensor* beta, const at::Tensor* s1, const at::Tensor* s2, double eps, float qmax,
+                float qmin, at::Tensor& y1, at::Tensor* y2, at::Tensor& sc1, at::Tensor* sc2) {
+  using T = typename X::T;
+  const int64_t D = x.size(-1), R = x.numel() / D;
+  auto xp = reinterpret_cast<const T*>(x.data_ptr());
+  auto x2p = x2 ? reinterpret_cast<const T*>(x2->data_ptr()) : nullptr;
+  auto xop = xo ? reinterpret_cast<T*>(xo->data_ptr()) : nullptr;
+  auto gp = reinterpret_cast<const T*>(g.data_ptr());
+  auto bp = beta ? reinterpret_cast<const T*>(beta->data_ptr()) : nullptr;
+  const T* sp[2] = {s1 ? reinterpret_cast<const T*>(s1->data_ptr()) : nullptr,
+                    s2 ? reinterpret_cast<const T*>(s2->data_ptr()) : nullptr};
+  int8_t* yp[2] = {y1.data_ptr<int8_t>(), y2 ? y2->data_ptr<int8_t>() : nullptr};
+  float* scp[2] = {sc1.data_ptr<float>(), sc2 ? sc2->data_ptr<float>() : nullptr};
+  const int branches = y2 ? 2 : 1;
+  const float feps = (float)eps;
+  at::parallel_for(0, R, grain_for(D), [&](int64_t begin, int64_t end) {
+    std::unique_ptr<float[]> n(new float[D]), m(new float[D]);
+    for (int64_t row = begin; row < end; ++row) {
+      const T* xr = xp + row * D;
+      double squares;
+      if (x2p) {
+        squares = add_row<X>(xr, x2p + row * D, xop + row * D, D);
+        xr = xop + row * D;
+      } else {
+        squares = sum_squares<X>(xr, D);
+      }
+      const float rms = std::sqrt((float)(squares / (double)D) + feps);
+      for (int64_t i = 0; i < D; ++i) n[i] = X::load(xr[i]) / rms * X::load(gp[i]) + (bp ? X::load(bp[i]) : 0.f);
+      for (int b = 0; b < branches; ++b) {
+        const float* src = n.get();
+        if (sp[b]) {
+          for (int64_t i = 0; i < D; ++i) m[i] = n[i] * X::load(sp[b][i]);
+          src = m.get();
+        }
+        scp[b][row] = quantize_row(src, D, qmax, qmin, yp[b] + row * D);
+      }
+    }
+  });
+}
+
+std::vector<c10::optional<at::Tensor>> quant_entry(const at::Tensor& x_in, const c10::optional<at::Tensor>& x2_in,
+                                                   const at::Tensor& gamma, const c10::optional<at::Tensor>& s1_in,
+                                                   const c10::optional<at::Tensor>& s2_in,
+                                                   const c10::optional<at::Tensor>& beta_in, double eps, double qmax,
+                                                   double qmin) {
+  const int64_t D = x_in.size(-1);
+  auto rows = x_in.sizes().vec();
+  rows.pop_back();
+  at::Tensor x = x_in.contiguous(), g = gamma.reshape({D}).contiguous();
+  at::Tensor x2, xo, s1, s2, beta;
+  if (x2_in.has_value()) {
+    x2 = x2_in->contiguous();
+    xo = at::empty(x.sizes(), x.options());
+  }
+  if (s1_in.has_value()) s1 = s1_in->reshape({D}).contiguous();
+  if (s2_in.has_value()) s2 = s2_in->reshape({D}).contiguous();
+  if (beta_in.has_value()) beta = beta_in->reshape({D}).contiguous();
+  auto i8 = x.options().dtype(at::kChar);
+  auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor y1 = at::empty(x.sizes(), i8), sc1 = at::empty(rows, f32), y2, sc2;
+  if (s2.defined()) {
+    y2 = at::empty(x.sizes(), i8);
+    sc2 = at::empty(rows, f32);
+  }
+  if (x.numel() > 0) {
+    dispatch_dtype(x.scalar_type(), [&](auto xt) {
+      quant_impl<decltype(xt)>(x, x2.defined() ? &x2 : nullptr, xo.defined() ? &xo : nullptr, g,
+                               beta.defined() ? &beta : nullptr, s1.defined() ? &s1 : nullptr,
+                               s2.defined() ? &s2 : nullptr, eps, (float)qmax, (float)qmin, y1,
+                               y2.defined() ? &y2 : nullptr, sc1, sc2.defined() ? &sc2 : nullptr);
+    });
+  }
+  auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
+  return {y1, opt(y2), opt(xo), sc1, opt(sc2)};
+}
+}  // namespace
+
+PG_KERNELS(norm_quant) {
+  m.def("quant", &quant_entry, "rms_norm_dynamic_quant / add_rms_norm_dynamic_quant (x2 given)");
+}

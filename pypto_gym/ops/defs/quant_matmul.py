@@ -1,0 +1,93 @@
+"""quant_matmul: the W8A8 linear, int8 x int8 with exact integer accumulation, dequantised (SPEC 8).
+
+y = fp32(x_q @ w_q^T, accumulated exactly) * x_scale[..., None] * w_scale (+ bias), cast to out_dtype.
+x_q int8 [..., K] with per-row scales x_scale [...] (what the quant ops emit); w_q int8 [N, K] with
+per-output-channel scales w_scale [N]; bias [N] in a float dtype or None. The order of the epilogue
+(one fp32 conversion, the per-row scale, the per-channel scale, the bias in fp32, one cast) is the
+one every backend follows. No gradient.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..args import FLOAT_DTYPES, ArgValueError, DType, Output, Tensor, dtype_name
+from ..backends.npu import HALF
+from ..op import Op
+
+EXACT_K = 1024  # int8 products are at most 2**14 in magnitude: sums of 1024 of them stay exact in fp32 (2**24)
+MAX_K = 2 ** 17 - 1  # K * 128 * 128 must fit the int32 accumulator
+
+
+def quant_matmul(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
+    """W8A8 linear: (x_q @ w_q^T in int32) * x_scale[..., None] * w_scale (+ bias) as out_dtype.
+
+    The integer product is exact (as an int32 accumulator is): computed in fp32 over chunks of EXACT_K
+    columns, where every partial sum is an integer below 2**24, and summed in float64."""
+    K, N = x_q.shape[-1], w_q.shape[0]
+    x2 = x_q.reshape(-1, K)
+    acc = torch.zeros(x2.shape[0], N, dtype=torch.float64, device=x_q.device)
+    for k in range(0, K, EXACT_K):
+        acc += (x2[:, k:k + EXACT_K].to(torch.float32) @ w_q[:, k:k + EXACT_K].to(torch.float32).T).to(torch.float64)
+    y = acc.to(torch.float32) * x_scale.reshape(-1, 1).to(torch.float32) * w_scale.to(torch.float32)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(out_dtype).reshape(*x_q.shape[:-1], N)
+
+
+def _k_in_range(ctx, *args):
+    K = ctx.dims["K"]
+    if not 0 < K <= MAX_K:
+        raise ArgValueError("x_q", f"last dim K={K}; expected 1 <= K <= {MAX_K} (int32 accumulation)")
+
+
+QUANT_MATMUL = Op(quant_matmul, [
+    Tensor("x_q", "*R K", (torch.int8,), gen="int8"),
+    Tensor("w_q", "N K", (torch.int8,), gen="int8"),
+    Tensor("x_scale", "*R", (torch.float32,), gen="scale"),
+    Tensor("w_scale", "N", (torch.float32,), gen="scale"),
+    Tensor("bias", "N", FLOAT_DTYPES, optional=True, gen="small"),
+    DType("out_dtype", default=torch.bfloat16, kw_only=True),
+], [Output("y")], check=_k_in_range,
+    examples=({"R": (2, 7), "K": 300, "N": 24}, {"R": (1,), "K": 2048, "N": 64, "out_dtype": torch.float32},
+              {"R": (17,), "K": 16, "N": 8, "bias": None, "out_dtype": torch.float16}))
+
+
+@QUANT_MATMUL.impl("cpu")
+def _(backend, x_q, w_q, x_scale, w_scale, bias, out_dtype):
+    """torch._int_mm (oneDNN's int8 GEMM with int32 accumulation; VNNI where the CPU has it), then the
+    golden's epilogue in its order as one C++ pass (quant_matmul.cpp). Chosen by measurement over
+    torch's other int8 GEMMs (README, "int8 GEMMs"): the fastest that takes int8 rows with per-row
+    scales as they are and stays bit-identical to the golden."""
+    K, N = x_q.shape[-1], w_q.shape[0]
+    acc = torch._int_mm(x_q.reshape(-1, K), w_q.t())
+    return backend.ext.dequant(acc, x_scale, w_scale, bias, out_dtype).reshape(*x_q.shape[:-1], N)
+
+
+# npu_quant_matmul(x1, x2, scale, *, offset, pertoken_scale, bias, output_dtype): x1 = int8 rows [M, K],
+# x2 = the int8 weight as [K, N] (a transposed view of our [N, K]), scale = the per-channel fp32 scales,
+# pertoken_scale = the per-row fp32 scales (A2/A3 chips only), a float bias added after dequantisation,
+# output fp16/bf16 (the documented rows with pertoken_scale), bias in fp32 or the output dtype.
+def _npu_supports(backend, x_q, w_q, x_scale, w_scale, bias, out_dtype):
+    name = "npu_quant_matmul"
+    series = backend.series_of(x_q)
+    if series != "a2_a3":
+        return f"{name}: pertoken_scale is not supported on {series} chips"
+    if not x_q.numel() or not w_q.numel():
+        return f"{name}: empty tensors are not supported"
+    if out_dtype not in HALF:
+        return f"{name}: output_dtype {dtype_name(out_dtype)} not supported with pertoken_scale (float16, bfloat16)"
+    if bias is not None and bias.dtype not in (out_dtype, torch.float32):
+        return f"{name}: bias {dtype_name(bias.dtype)} with output {dtype_name(out_dtype)} is not a documented combination"
+    return None
+
+
+@QUANT_MATMUL.impl("npu", supports=_npu_supports)
+def _(backend, x_q, w_q, x_scale, w_scale, bias, out_dtype):
+    K, N = x_q.shape[-1], w_q.shape[0]
+    y = backend.torch_npu().npu_quant_matmul(x_q.reshape(-1, K), w_q.t(), w_scale, pertoken_scale=x_scale.reshape(-1),
+                                             bias=bias, output_dtype=out_dtype)
+    return y.reshape(*x_q.shape[:-1], N)
+
+
+QUANT_MATMUL.not_on("pypto", "quant_matmul is not provided: PyPTO 0.2.0's int8 pypto.matmul runs on the cube unit, "
+                             "whose tiling and SIM verification this backend does not have yet")

@@ -1,0 +1,319 @@
+"""`Op`: one op, defined once, from its golden function and the roles of its arguments.
+
+An op definition module (ops/defs/<op>.py) writes the golden in plain torch (the formula, the
+`torch` backend, and the fake kernel's shape/dtype rule all at once, as vLLM's IR ops do), lists
+its arguments as roles (args.py) and its outputs, and registers one implementation per backend
+with a pure `supports` predicate. Everything else is derived here and typed nowhere else:
+
+- the Python entry point `pypto_gym.ops.<name>` (signature and defaults from the roles, plus
+  `backend=` and `stats=`), validating every call with errors that name the argument;
+- the `torch.library` custom op `torch.ops.pypto_gym.<name>` (schema from the roles, the golden
+  as fake kernel, the backward if the definition gives one, else every output non-differentiable),
+  so torch.compile(fullgraph=True) and autograd see one node;
+- `bind()`: the op bound to one patch site's constants, for the hot path of a patched model;
+- what the case files, the recorder, the runner, the tests and the benchmarks know of the op
+  (capture/cases.py, capture/recorder.py, bench/ops_bench.py read `Op.registry`).
+
+Every call, eager or through the custom op, reaches `dispatch.call`, the one place a call is
+resolved to a backend, run and counted.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import dispatch, registry
+from .args import FLOAT_DTYPES, Arg, Context, Output, Tensor, _PLAIN
+
+_is_compiling = torch.compiler.is_compiling
+_is_grad_enabled = torch.is_grad_enabled
+
+
+@dataclass
+class Impl:
+    """One backend's implementation of one op: `fn(*args)` and a pure `supports(*args) -> reason | None`."""
+
+    backend: str
+    fn: Callable
+    supports: Callable | None = None
+
+
+@dataclass
+class Backward:
+    """A backward formula: `fn(saved, grads) -> {argument name: gradient}`, where `saved` maps the names
+    in `saves` (arguments and outputs) to their values and `grads` are the outputs' gradients."""
+
+    saves: tuple
+    fn: Callable
+
+
+class Op:
+    """One op of the family (see the module docstring). Calling it is calling the entry point."""
+
+    registry: dict = {}  # name -> Op, in definition order
+
+    def __init__(self, golden: Callable, args: list, outputs: list, *, check: Callable | None = None,
+                 min_dims: dict | None = None, backward: Backward | None = None, examples: tuple = (),
+                 bench=None, tolerance: Callable | None = None):
+        self.name = golden.__name__
+        if self.name in Op.registry:
+            raise ValueError(f"op {self.name!r} is defined twice")
+        self.golden = golden
+        self.args: list[Arg] = list(args)
+        self.outputs: list[Output] = list(outputs)
+        self.arg = {a.name: a for a in self.args}
+        self._check, self.min_dims, self.backward = check, dict(min_dims or {}), backward
+        self.examples, self.bench, self.tolerance = tuple(examples), bench, tolerance
+        self.impls: dict[str, Impl] = {}
+        self.unsupported: dict[str, str] = {}
+        self.tensor_index = [i for i, a in enumerate(self.args) if isinstance(a, Tensor)]
+        self.device_index = self.tensor_index[0]
+        self.doc = inspect.getdoc(golden) or ""
+        self._optional_out = [(k, self.args.index(self.arg[o.present_if])) for k, o in enumerate(self.outputs)
+                              if o.present_if]
+        self.custom_op = self._register_custom_op()
+        self.entry = self._make_entry()
+        Op.registry[self.name] = self
+
+    def __repr__(self):
+        return f"<pypto_gym op {self.name}>"
+
+    def __reduce__(self):  # one definition per process: a pickled or copied reference is the same op
+        return _op_named, (self.name,)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, *args, **kwargs):
+        return self.entry(*args, **kwargs)
+
+    def impl(self, backend: str, supports: Callable | None = None):
+        """Register `fn(backend, *args)` as this op's implementation on a backend family (decorator);
+        `supports(backend, *args)` returns why a call is not taken, or None."""
+        def register(fn):
+            self.impls[backend] = Impl(backend, fn, supports)
+            return fn
+        return register
+
+    def not_on(self, backend: str, reason: str) -> None:
+        """Declare that a backend family does not provide this op, and why (said in every fallback)."""
+        self.unsupported[backend] = reason
+
+    # -- validation ----------------------------------------------------------------------------------
+    def validate(self, args: tuple) -> Context:
+        """Check one call's positional arguments (SPEC 2.5); raises ArgTypeError/ArgValueError naming the argument."""
+        ctx = Context(min_dims=self.min_dims)
+        for a, v in zip(self.args, args):
+            a.check(v, ctx)
+            ctx.values[a.name] = v
+        if self._check is not None:
+            self._check(ctx, *args)
+        return ctx
+
+    # -- calling ---------------------------------------------------------------------------------------
+    def call(self, args: tuple, backend, stats):
+        """Validate, then run through dispatch (eagerly, or through the custom op when traced or with autograd).
+        While torch.compile traces, the arguments are checked by the fake kernel (the golden) instead: the
+        validation's Python would be traced into every graph."""
+        if not _is_compiling():
+            self.validate(args)
+        backend = registry.default_backend() if backend is None else registry.check_name(backend)
+        stats = dispatch.GLOBAL if stats is None else stats
+        if self.eager(args):
+            return dispatch.call(self, backend, stats, args)
+        return self.from_custom(self.custom_op(*args, backend, stats.id), args)
+
+    def eager(self, args) -> bool:
+        """True when dispatch may run without the dispatcher: not traced, no autograd graph to record,
+        plain tensors (a subclass such as a FakeTensor needs the dispatcher)."""
+        if _is_compiling():
+            return False
+        grad = _is_grad_enabled()
+        for i in self.tensor_index:
+            t = args[i]
+            if t is not None and (type(t) not in _PLAIN or t.is_meta or (grad and t.requires_grad)):
+                return False
+        return True
+
+    def bind(self, backend: str, stats, **constants) -> "BoundCall":
+        return BoundCall(self, backend, stats, constants)
+
+    def example_args(self, example: dict, seed: int = 0) -> tuple:
+        """Arguments for one of the definition's `examples` (or any such dict): dims by name (`R` a tuple
+        of leading dims), `dtype` for the float activations (default bfloat16), values for scalars, None
+        to leave an optional tensor out; tensors generated as case inputs are, from `seed`."""
+        gen = torch.Generator().manual_seed(seed)
+        made: dict = {}
+        for a in self.args:
+            if not isinstance(a, Tensor):
+                made[a.name] = example.get(a.name, a.default)
+                continue
+            if a.name in example and example[a.name] is None:
+                made[a.name] = None
+                continue
+            shape = []
+            for p in a.pattern:
+                shape += list(example[p[1:]]) if p.startswith("*") else [int(p) if p.isdigit() else example[p]]
+            if a.like is not None:
+                dtype = made[a.like].dtype
+            elif a.floats or a.dtypes == FLOAT_DTYPES:
+                dtype = example.get("dtype", torch.bfloat16)
+            else:
+                dtype = a.dtypes[0]
+            made[a.name] = a.generate(torch.empty(shape, dtype=dtype, device="meta"), gen)
+        return tuple(made[a.name] for a in self.args)
+
+    # -- outputs ---------------------------------------------------------------------------------------
+    def from_custom(self, out, args):
+        """Custom-op outputs back to the entry point's: placeholders of absent outputs become None."""
+        if len(self.outputs) == 1:
+            return out
+        out = list(out)
+        for k, i in self._optional_out:
+            if args[i] is None:
+                out[k] = None
+        return tuple(out)
+
+    def _to_custom(self, out, like: torch.Tensor):
+        """A custom op returns tensors only: absent outputs travel as empty placeholders."""
+        if len(self.outputs) == 1:
+            return out
+        return tuple(like.new_empty((0,)) if o is None else o for o in out)
+
+    def empty_outputs(self, *args):
+        """Uninitialised outputs of the shapes and dtypes the golden gives (run on meta tensors), on the
+        arguments' device: what a kernel that writes its outputs in place is handed."""
+        metas = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+        out = self.golden(*metas)
+        device = args[self.device_index].device
+        outs = out if isinstance(out, tuple) else (out,)
+        made = tuple(None if o is None else torch.empty(o.shape, dtype=o.dtype, device=device) for o in outs)
+        return made if isinstance(out, tuple) else made[0]
+
+    # -- derived registrations -------------------------------------------------------------------------
+    def _register_custom_op(self):
+        params = [inspect.Parameter(a.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=a.annotation)
+                  for a in self.args]
+        params += [inspect.Parameter("backend", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str),
+                   inspect.Parameter("stats", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=int)]
+        returns = torch.Tensor if len(self.outputs) == 1 else tuple[(torch.Tensor,) * len(self.outputs)]
+        n = len(self.args)
+        op = self
+
+        def kernel(*values):
+            args, backend, stats = values[:n], values[n], values[n + 1]
+            return op._to_custom(dispatch.call(op, backend, dispatch.Stats.lookup(stats), args),
+                                 args[op.device_index])
+
+        kernel.__name__ = self.name
+        kernel.__signature__ = inspect.Signature(params, return_annotation=returns)
+        kernel.__annotations__ = {p.name: p.annotation for p in params} | {"return": returns}
+        custom = torch.library.custom_op(f"pypto_gym::{self.name}", mutates_args=())(kernel)
+
+        def fake(*values):
+            args = values[:n]
+            return op._to_custom(op.golden(*args), args[op.device_index])
+
+        custom.register_fake(fake)
+        if self.backward is None:
+            def setup_context(ctx, inputs, output):
+                # a single output is a Tensor: unpacking it would mark its rows and leave it differentiable
+                ctx.mark_non_differentiable(*((output,) if isinstance(output, torch.Tensor) else output))
+
+            def backward(ctx, *grads):
+                return (None,) * (n + 2)
+        else:
+            setup_context, backward = self._autograd(n)
+        custom.register_autograd(backward, setup_context=setup_context)
+        return custom
+
+    def _autograd(self, n: int):
+        names = [a.name for a in self.args]
+        out_names = [o.name for o in self.outputs]
+        saves = self.backward.saves
+        fn = self.backward.fn
+
+        def setup_context(ctx, inputs, output):
+            outs = (output,) if isinstance(output, torch.Tensor) else output
+            values = dict(zip(names, inputs)) | dict(zip(out_names, outs))
+            tensors = [k for k in saves if isinstance(values[k], torch.Tensor) or values[k] is None]
+            ctx.tensor_names = tensors
+            ctx.save_for_backward(*(values[k] for k in tensors))
+            ctx.other = {k: values[k] for k in saves if k not in tensors}
+
+        def backward(ctx, *grads):
+            saved = dict(zip(ctx.tensor_names, ctx.saved_tensors)) | ctx.other
+            got = fn(saved, grads)
+            return tuple(got.get(k) for k in names) + (None, None)
+
+        return setup_context, backward
+
+    def _make_entry(self):
+        """The public function: a real Python signature (defaults, keyword-only arguments), so help() and
+        IDEs show it, calling `Op.call` with the positional arguments in definition order."""
+        parts, seen_kw = [], False
+        for i, a in enumerate(self.args):
+            if a.kw_only and not seen_kw:
+                parts.append("*")
+                seen_kw = True
+            parts.append(a.name if a.required else f"{a.name}=_defaults[{i}]")
+        if not seen_kw:
+            parts.append("*")
+        parts += ["backend=None", "stats=None"]
+        names = ", ".join(a.name for a in self.args)
+        source = (f"def {self.name}({', '.join(parts)}):\n"
+                  f"    return _call(({names}{',' if len(self.args) == 1 else ''}), backend, stats)\n")
+        namespace = {"_defaults": [a.default for a in self.args], "_call": self.call}
+        exec(compile(source, f"<pypto_gym op {self.name}>", "exec"), namespace)  # noqa: S102 - our own text
+        entry = namespace[self.name]
+        entry.__doc__ = self.doc + ("\n\nbackend: auto (default: $PYPTO_GYM_BACKEND, else auto), torch, cpu, npu, "
+                                    "pypto; stats: the Stats to charge (default: the global counters).")
+        entry.__module__ = "pypto_gym.ops"
+        entry.op = self
+        return entry
+
+
+def _op_named(name: str) -> Op:
+    from . import defs  # noqa: F401  (registers the ops)
+
+    return Op.registry[name]
+
+
+class BoundCall:
+    """An op bound to one patch site: its backend, counters and constant arguments (eps, cast mode), validated
+    once, as HF kernels decide at kernelize time. A patched module calls it hundreds of times a token with
+    the remaining arguments; a call whose tensors have the types, dtypes, shapes and devices of the last
+    fully validated call (and that needs no autograd and is not traced) goes straight to dispatch; any
+    other call takes the op's entry path, with its validation and error messages.
+    """
+
+    __slots__ = ("op", "backend", "stats", "constants", "_slots", "_template", "_key")
+
+    def __init__(self, op: Op, backend: str, stats, constants: dict):
+        unknown = set(constants) - set(op.arg)
+        if unknown:
+            raise TypeError(f"{op.name}: unknown arguments {sorted(unknown)}")
+        for name, value in constants.items():
+            op.arg[name].check(value, Context())
+        self.op, self.backend, self.stats, self.constants = op, registry.check_name(backend), stats, dict(constants)
+        self._template = [constants.get(a.name, a.default) for a in op.args]
+        self._slots = [i for i, a in enumerate(op.args) if a.name not in constants]
+        self._key = None
+
+    def __call__(self, *free):
+        args = self._template.copy()
+        for i, v in zip(self._slots, free):
+            args[i] = v
+        args = tuple(args)
+        key = (_is_grad_enabled(),) + tuple(
+            None if t is None else (type(t), t.dtype, t.shape, t.device, t.requires_grad, t.is_meta)
+            for t in free if t is None or isinstance(t, torch.Tensor))
+        if key == self._key and not _is_compiling():
+            return dispatch.call(self.op, self.backend, self.stats, args)
+        out = self.op.call(args, self.backend, self.stats)
+        if self.op.eager(args):  # validated and plain: the next call of the same kind goes straight through
+            self._key = key
+        return out

@@ -1,0 +1,181 @@
+"""The RMSNorm rule: every module that computes HF's RMSNorm becomes a `rms_norm` site.
+
+A module is a candidate when it has a 1-D `weight` and an eps attribute (`variance_epsilon` or
+`eps`). A semantic probe then runs the module's own forward on a small random input, on the
+module's own device with its own weight (nothing moved or copied), and compares it with the `hf`
+RMSNorm formula: remote-code norms with other class names pass, and look-alikes with other math
+(Gemma's `1 + weight`, LayerNorm) are skipped with the reason. Modules on the meta device cannot be
+run, so they are classified by class name and attributes.
+
+The site keeps the original Parameter (no copy; state_dict keys and `save_pretrained` output
+unchanged). A fused layer (residual.py) calls `add_norm(norm, hidden, residual)` where the original
+did `residual + hidden` and then `norm(...)`: one `add_rms_norm`, unless fusing would not be exactly
+the original (the norm has torch hooks, which must see one tensor in and one out, or the add would
+promote or broadcast); then it adds and calls the norm normally, and counts the bypass and its reason.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import config
+from ..ops import OPS, dtype_name
+from .site import Candidate, Rule, Site, has_hooks, part, register, site_of
+
+TEXT_KINDS = {"input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"}
+_PROBE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+_STATE = config.STATE  # the master switch, read on every call
+RMS_NORM, ADD_RMS_NORM = OPS["rms_norm"], OPS["add_rms_norm"]
+
+
+def norm_kind(path: str) -> str:
+    """`vision.norm1`, `text.input_layernorm`, ... from the module path, for either transformers layout."""
+    parts = path.split(".")
+    attr, parent = parts[-1], parts[-2] if len(parts) > 1 else ""
+    if part(path) == "vision":
+        if parent == "merger" and attr == "ln_q":
+            return "vision.merger.ln_q"
+        if attr in ("norm1", "norm2"):
+            return f"vision.{attr}"
+        return f"other.{attr}"
+    if attr in TEXT_KINDS:
+        return f"text.{attr}"
+    if attr == "norm" and not parent.isdigit():
+        return "text.norm"
+    return f"other.{attr}"
+
+
+def eps_of(module) -> float | None:
+    for name in ("variance_epsilon", "eps"):
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def _probe(module, weight: torch.Tensor, eps: float) -> str:
+    """'' if the module computes the hf RMSNorm formula, else why not."""
+    hook = getattr(module, "_hf_hook", None)  # accelerate: weights may live elsewhere until pre_forward
+    device = getattr(hook, "execution_device", None) or weight.device
+    dtype = weight.dtype if weight.is_floating_point() and weight.dtype in _PROBE_TOL else torch.float32
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(2, weight.shape[0], generator=gen).to(device=device, dtype=dtype) * 3 + 0.5
+    try:
+        with torch.no_grad():
+            if hook is None:
+                y = module.forward(x)  # bypasses torch forward hooks (a ShapeRecorder must not see probes)
+                expected = RMS_NORM.golden(x, weight, eps, "hf")
+            else:  # accelerate: the weight is only materialised between pre_forward and post_forward
+                (x,), _ = hook.pre_forward(module, x)
+                try:
+                    y = module._old_forward(x)
+                    expected = RMS_NORM.golden(x, module.weight, eps, "hf")
+                finally:
+                    hook.post_forward(module, x)
+    except Exception as e:  # noqa: BLE001 - a module that cannot run on [2, D] is not an RMSNorm site
+        return f"probe failed ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+    if not isinstance(y, torch.Tensor) or y.shape != expected.shape:
+        return "probe: output is not a tensor of the input's shape"
+    diff = float((y.float() - expected.float()).abs().max())
+    scale = float(expected.float().abs().max()) or 1.0
+    if not diff <= _PROBE_TOL[dtype] * scale:
+        return f"probe: output differs from the RMSNorm formula (max abs diff {diff:.3g})"
+    return ""
+
+
+class NormSite(Site):
+    """One patched norm: rms_norm (and add_rms_norm, in a fused layer) bound to its eps and cast mode."""
+
+    op = "rms_norm"
+
+    def __init__(self, cand: Candidate, options):
+        super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
+        self.eps = cand.info["eps"]
+        self.call = RMS_NORM.bind(options.backend, self.stats, eps=self.eps, cast_mode=options.cast_mode)
+        self.add_call = ADD_RMS_NORM.bind(options.backend, self.stats, eps=self.eps, cast_mode=options.cast_mode)
+        self.fused = False
+        self.bypassed: dict[str, int] = {}  # fused calls that ran unfused, by reason
+        self.quant = None  # W8A8 (pypto_gym.quant): the norm emits int8 rows for the linears after it
+
+    def details(self) -> dict:
+        w = self.module.weight
+        return {"D": int(w.shape[0]), "eps": self.eps, "dtype": dtype_name(w.dtype), "device": str(w.device),
+                "fused_residual": self.fused, "fusion_bypassed": dict(self.bypassed),
+                "quant": None if self.quant is None else self.quant.row()}
+
+
+def norm_forward(module, hidden_states, residual=None):
+    """The forward of every patched norm; with `residual`, returns (norm(residual + h), residual + h)."""
+    site = module.__dict__["_pypto_gym_site"]
+    if _STATE.enabled:
+        if site.quant is not None:
+            return site.quant.forward(site, module, hidden_states, residual)
+        if residual is None:
+            return site.call(hidden_states, module._parameters["weight"])
+        return site.add_call(residual, hidden_states, module._parameters["weight"])
+    if residual is None:
+        return site.original(hidden_states)
+    x_out = residual + hidden_states
+    return site.original(x_out), x_out
+
+
+NormSite.FORWARD = norm_forward
+
+
+def _bypass_reason(norm, hidden, residual) -> str | None:
+    if has_hooks(norm):
+        return "the norm has hooks"
+    if not isinstance(residual, torch.Tensor) or residual.dtype != hidden.dtype or residual.shape != hidden.shape:
+        return "the residual add promotes or broadcasts"
+    return None
+
+
+def add_norm(norm: torch.nn.Module, hidden, residual):
+    """`x_out = residual + hidden; return norm(x_out), x_out`, as one fused op where that is exactly the same."""
+    site = norm.__dict__.get("_pypto_gym_site")
+    reason = "the norm is not patched" if not isinstance(site, NormSite) else _bypass_reason(norm, hidden, residual)
+    if reason is None:
+        return norm.forward(hidden, residual=residual)
+    if site is not None:
+        site.bypassed[reason] = site.bypassed.get(reason, 0) + 1
+    x_out = residual + hidden
+    return norm(x_out), x_out
+
+
+class NormRule(Rule):
+    name, op = "norm", "rms_norm"
+
+    def kind_of(self, path, module):
+        return norm_kind(path)
+
+    def classify(self, path, module, options=None):
+        weight = getattr(module, "weight", None)
+        eps = eps_of(module)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
+            return None
+        cand = Candidate(self, path, module, norm_kind(path), info={"eps": eps})
+        if module._parameters.get("weight") is not weight:
+            cand.reason = "weight is not a registered nn.Parameter"
+        elif weight.is_meta and getattr(module, "_hf_hook", None) is None:
+            name = type(module).__name__
+            if not (name.endswith("RMSNorm") and "Gemma" not in name):
+                cand.reason = f"meta device: {name} is not recognised as an RMSNorm by name"
+        else:
+            cand.reason = _probe(module, weight, eps)
+        return cand
+
+    def install(self, cand, options):
+        site = NormSite(cand, options)
+        site.install()
+        return site
+
+    def skipped_details(self, cand):
+        w = cand.module.weight
+        return {"D": int(w.shape[0]), "eps": cand.info["eps"], "dtype": dtype_name(w.dtype), "device": str(w.device)}
+
+
+NORMS = register(NormRule())
+
+
+def norm_site(module) -> NormSite | None:
+    site = site_of(module)
+    return site if isinstance(site, NormSite) else None
