@@ -1,0 +1,121 @@
+"""swiglu (SPEC 10): y = silu(gate) * up, the middle of every SwiGLU MLP (down_proj(act(gate_proj(x)) * up_proj(x))).
+
+- `hf` (default): rounds exactly as HF eager does, `F.silu(gate) * up`: silu's result rounded to the
+  input dtype, then the product rounded. Bit-identical to HF on the `torch` backend.
+- `fp32`: silu(f32(gate)) * f32(up) in fp32, rounded once (vLLM's SiluAndMul, torch_npu's npu_swiglu).
+
+gate and up are two tensors of one shape [..., I], not one merged [..., 2I]: that is what HF's MLPs
+produce (separate gate_proj and up_proj), so no backend needs a copy to call it; the two halves of a
+merged gate_up GEMM are two views, which the kernels take as they are (and the npu mapping passes to
+npu_swiglu as the one tensor they view, gate first: vLLM's and npu_swiglu's order).
+"""
+import torch
+import torch.nn.functional as F
+
+from ..args import FLOAT_DTYPES, Choice, Output, Tensor
+from ..backends.pypto_backend import Tiles, UB_BYTES, rows
+from ..op import Backward, Op
+
+CAST_MODES = ("hf", "fp32")
+MODES = {"hf": 0, "fp32": 1}
+
+
+def swiglu(gate, up, cast_mode="hf"):
+    """silu(gate) * up; `hf` rounds silu's result to the input dtype first (HF's act_fn(gate) * up), `fp32` once."""
+    if cast_mode == "hf":
+        return F.silu(gate) * up
+    g = gate.to(torch.float32)
+    return (F.silu(g) * up.to(torch.float32)).to(gate.dtype)
+
+
+def _grads(saved, grads):
+    """d/dgate = gy * up * silu'(gate), d/dup = gy * silu(gate); silu'(g) = s(g) * (1 + g * (1 - s(g)))."""
+    gy = grads[0].float()
+    g, u = saved["gate"].float(), saved["up"].float()
+    sig = torch.sigmoid(g)
+    return {"gate": (gy * u * sig * (1 + g * (1 - sig))).to(saved["gate"].dtype),
+            "up": (gy * g * sig).to(saved["up"].dtype)}
+
+
+SWIGLU = Op(swiglu, [
+    Tensor("gate", "*R I", FLOAT_DTYPES),
+    Tensor("up", "*R I", None, like="gate"),
+    Choice("cast_mode", CAST_MODES, default="hf", kw_only=True),
+], [Output("y")], min_dims={"I": 1}, backward=Backward(("gate", "up"), _grads),
+    examples=({"R": (2, 5), "I": 64}, {"R": (3,), "I": 3420, "cast_mode": "fp32"}, {"R": (1, 1), "I": 11008},
+              {"R": (7,), "I": 33, "dtype": torch.float16}, {"R": (4,), "I": 40, "dtype": torch.float32}))
+
+
+@SWIGLU.impl("cpu")
+def _(backend, gate, up, cast_mode):
+    return backend.ext.swiglu(gate, up, MODES[cast_mode])
+
+
+# npu_swiglu(input, dim=-1) -> swish(A) * B for A, B the halves of input along dim: 1-8 dims, not empty,
+# fp32/fp16/bf16, Atlas A2/A3. It computes in fp32 and rounds once (our fp32 mode; in hf mode it differs
+# from HF's two roundings by at most an ulp). Two views of one merged tensor are passed as that tensor;
+# separate gate and up are concatenated first (one copy).
+def _npu_supports(backend, gate, up, cast_mode):
+    if not 1 <= gate.dim() <= 8:
+        return f"npu_swiglu: rank {gate.dim()} not in 1-8"
+    if not gate.numel():
+        return "npu_swiglu: empty tensors are not supported"
+    if backend.series_of(gate) != "a2_a3":
+        return "npu_swiglu: supported on Atlas A2/A3 chips only"
+    return None
+
+
+def merged_halves(gate, up):
+    """The [..., 2I] tensor whose two halves gate and up are (views of one contiguous buffer), else None."""
+    shape = (*gate.shape[:-1], 2 * gate.shape[-1])
+    strides = [1]
+    for d in reversed(shape[1:]):
+        strides.insert(0, strides[0] * d)
+    if (gate.stride() != tuple(strides) or up.stride() != gate.stride()
+            or up.data_ptr() != gate.data_ptr() + gate.shape[-1] * gate.element_size()):
+        return None
+    return gate.as_strided(shape, strides)
+
+
+@SWIGLU.impl("npu", supports=_npu_supports)
+def _(backend, gate, up, cast_mode):
+    merged = merged_halves(gate, up)
+    if merged is None:
+        merged = torch.cat([gate, up], dim=-1)
+    return backend.torch_npu().npu_swiglu(merged, dim=-1)
+
+
+# ---- pypto: gate * sigmoid(gate) * up (PyPTO 0.2.0 has sigmoid, not silu); elementwise, so tiles may
+# cut a row anywhere: as many columns as four live fp32 tiles fit in the unified buffer.
+LIVE_FP32 = 4  # gate, its sigmoid, their product, up
+
+
+def swiglu_tiles(R: int, I: int) -> Tiles:
+    rows_ = 1 if R <= 1 else 2 if R <= 8 else 4
+    budget = UB_BYTES // (4 * LIVE_FP32 * rows_)
+    cols = min(-(-I // 16) * 16, budget // 16 * 16)
+    return Tiles(rows_, cols)
+
+
+def swiglu_kernel(pypto):
+    from ..backends import pypto_lib as pl
+
+    def swiglu(gate: pypto.Tensor(), up: pypto.Tensor(), out: pypto.Tensor(), hf, rows, cols):
+        pypto.set_vec_tile_shapes(rows, cols)
+        g = pl.f32(gate)
+        s = g * pypto.sigmoid(g)
+        if hf and gate.dtype != pl.FP32:  # HF rounds silu's result to the input dtype before the multiply
+            s = pl.f32(pypto.cast(s, gate.dtype))
+        out[:] = pl.to(s * pl.f32(up), out.dtype)
+    return swiglu
+
+
+@SWIGLU.impl("pypto", supports=lambda backend, gate, *rest: backend.runs_on(gate))
+def _(backend, gate, up, cast_mode):
+    y = SWIGLU.empty_outputs(gate, up, cast_mode)
+    if gate.numel():
+        I = gate.shape[-1]
+        backend.launch("swiglu", swiglu_kernel, gate, [rows(gate), rows(up)], [y.view(-1, I)],
+                       [int(cast_mode == "hf")], tiles=swiglu_tiles(gate.numel() // I, I))
+    return y
+

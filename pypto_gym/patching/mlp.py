@@ -1,0 +1,126 @@
+"""The SwiGLU MLP rule: every `down_proj(act_fn(gate_proj(x)) * up_proj(x))` becomes a `swiglu` site.
+
+A module is a candidate when it has gate_proj, up_proj and down_proj linears (Qwen2/2.5-VL text and
+vision MLPs, Qwen3, Llama); a numerical probe then runs the module's own forward on a small random
+input and compares it with `down_proj(silu(gate_proj(x)) * up_proj(x))` computed with its own
+projections, so an MLP whose act_fn is GELU (Gemma) is skipped with the reason, and so is an MLP
+that is not gated at all (fc1 -> act -> fc2: Qwen2-VL's vision tower).
+
+The patched forward calls the module's own projections (their hooks, accelerate's offload hooks and
+tensor-parallel sharding stay theirs: with gate/up sharded column-wise the op runs on the local
+shard, elementwise) and the fused op between them, instead of act_fn then a multiply. A torch hook
+on act_fn would see nothing of that, so an MLP whose act_fn has hooks runs its original forward, the
+call counted as bypassed. The norms' cast mode picks swiglu's: `fp32` rounds once, `hf`/`none` as HF.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import config
+from ..ops import OPS, dtype_name
+from .site import Candidate, Rule, Site, has_hooks, part, register, torch_hooks_set_aside
+
+SWIGLU = OPS["swiglu"]
+_STATE = config.STATE
+_PROBE_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def _linear(module, name):
+    child = getattr(module, name, None)
+    return child if isinstance(getattr(child, "weight", None), torch.Tensor) else None
+
+
+class MlpSite(Site):
+    """One patched SwiGLU MLP: swiglu bound to its backend, counters and cast mode."""
+
+    op = "swiglu"
+
+    def __init__(self, cand: Candidate, options):
+        super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
+        self.call = SWIGLU.bind(options.backend, self.stats, cast_mode="fp32" if options.cast_mode == "fp32" else "hf")
+        self.bypassed: dict[str, int] = {}
+        self.quant = None  # W8A8 (pypto_gym.quant): int8 gate/up in, int8 rows out to an int8 down_proj
+
+    def details(self) -> dict:
+        w = self.module.gate_proj.weight
+        return {"D": int(w.shape[0]), "dtype": dtype_name(w.dtype), "device": str(w.device),
+                "fusion_bypassed": dict(self.bypassed), "quant": None if self.quant is None else self.quant.row()}
+
+
+def mlp_forward(module, x):
+    """The forward of every patched MLP: its projections and one fused swiglu between them."""
+    site = module.__dict__["_pypto_gym_site"]
+    if not _STATE.enabled:
+        return site.original(x)
+    if has_hooks(module.act_fn):
+        site.bypassed["act_fn has hooks"] = site.bypassed.get("act_fn has hooks", 0) + 1
+        return site.original(x)
+    if site.quant is not None:
+        return site.quant.forward(site, module, x)
+    return module.down_proj(site.call(module.gate_proj(x), module.up_proj(x)))
+
+
+MlpSite.FORWARD = mlp_forward
+
+
+def _probe(module) -> str:
+    """'' if the module computes down_proj(silu(gate_proj(x)) * up_proj(x)), else why not."""
+    w = module.gate_proj.weight
+    hook = getattr(module.gate_proj, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None) or w.device
+    dtype = w.dtype if w.dtype in _PROBE_TOL else torch.float32
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    H = module.gate_proj.in_features if hasattr(module.gate_proj, "in_features") else w.shape[-1]
+    x = torch.randn(2, H, generator=gen).to(device=device, dtype=dtype)
+    try:
+        with torch.no_grad(), torch_hooks_set_aside(module):  # a probe is not a call anyone's hooks should see
+            got = module.forward(x)
+            want = module.down_proj(F.silu(module.gate_proj(x)) * module.up_proj(x))
+    except Exception as e:  # noqa: BLE001 - a module that cannot run on [2, H] is not an MLP site
+        return f"probe failed ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return "probe: output is not a tensor of down_proj's output shape"
+    diff = float((got.float() - want.float()).abs().max())
+    if not diff <= _PROBE_TOL[dtype] * (float(want.float().abs().max()) or 1.0):
+        act = type(getattr(module, "act_fn", None)).__name__
+        return f"probe: act_fn ({act}) is not SiLU: output differs from down_proj(silu(gate) * up) (max abs diff " \
+               f"{diff:.3g})"
+    return ""
+
+
+class MlpRule(Rule):
+    name, op = "mlp", "swiglu"
+
+    def kind_of(self, path, module):
+        return f"{part(path)}.mlp"
+
+    def classify(self, path, module, options=None):
+        gated = all(_linear(module, n) is not None for n in ("gate_proj", "up_proj", "down_proj"))
+        plain = _linear(module, "fc1") is not None and _linear(module, "fc2") is not None
+        if not (gated or plain):
+            return None
+        cand = Candidate(self, path, module, self.kind_of(path, module))
+        if not gated:
+            cand.reason = "fc1 -> act -> fc2: not a gated (SwiGLU) MLP"
+        elif not hasattr(module, "act_fn"):
+            cand.reason = "no act_fn attribute: cannot tell its activation"
+        elif module.gate_proj.weight.is_meta and getattr(module.gate_proj, "_hf_hook", None) is None:
+            act = type(module.act_fn).__name__
+            if "SiLU" not in act:
+                cand.reason = f"meta device: act_fn {act} is not recognised as SiLU by name"
+        else:
+            cand.reason = _probe(module)
+        return cand
+
+    def install(self, cand, options):
+        site = MlpSite(cand, options)
+        site.install()
+        return site
+
+    def skipped_details(self, cand):
+        w = (_linear(cand.module, "gate_proj") or _linear(cand.module, "fc1")).weight
+        return {"D": int(w.shape[0]), "dtype": dtype_name(w.dtype), "device": str(w.device)}
+
+
+MLPS = register(MlpRule())

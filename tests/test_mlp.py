@@ -1,0 +1,118 @@
+"""The SwiGLU MLP rule (patching/mlp.py) on real transformers models: found, probed, patched, exact on torch."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import pypto_gym
+from pypto_gym.precision import compare
+
+from models import logits, tiny_llama, tiny_qwen2_vl, tiny_qwen3
+
+
+def mlp_rows(report):
+    return [r for r in report["sites"] if r["op"] == "swiglu"]
+
+
+def test_every_qwen2_5_vl_mlp_is_a_site_text_and_vision(model32):
+    rows = mlp_rows(pypto_gym.patch_model(model32, backend="torch").to_json())
+    kinds = {r["path"]: r["kind"] for r in rows if r["status"] == "patched"}
+    assert sorted(set(kinds.values())) == ["text.mlp", "vision.mlp"] and len(kinds) == 4 + 4
+    vision = model32.model.visual.blocks[0].mlp
+    assert vision.gate_proj.bias is not None and model32.model.language_model.layers[0].mlp.gate_proj.bias is None
+    assert {r["D"] for r in rows} == {model32.config.text_config.intermediate_size,
+                                      model32.config.vision_config.intermediate_size}
+
+
+@pytest.mark.parametrize("build", ["qwen2_5_vl", "qwen3", "llama"])
+def test_torch_backend_is_bit_identical_and_cpu_tokens_identical(build, tiny_loaded, sample_inputs):
+    """torch: logits and generate bit-identical with every MLP fused; cpu: logits within SPEC 5's rule
+    and greedy tokens identical over 16 tokens."""
+    if build == "qwen2_5_vl":
+        model, inputs = copy.deepcopy(tiny_loaded[0]), sample_inputs
+    else:
+        model = {"qwen3": tiny_qwen3, "llama": tiny_llama}[build]().to(torch.bfloat16)
+        inputs = {"input_ids": torch.randint(0, 250, (1, 11), generator=torch.Generator().manual_seed(0))}
+    with torch.no_grad():
+        want = model(**inputs).logits
+        want_tokens = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    exact = copy.deepcopy(model).float()
+    with torch.no_grad():
+        exact_want = exact(**inputs).logits
+    with pypto_gym.patched(exact, backend="torch", sites="*.mlp"):
+        with torch.no_grad():
+            assert torch.equal(exact(**inputs).logits, exact_want)
+    report = pypto_gym.patch_model(model, backend="cpu")
+    with torch.no_grad():
+        got = model(**inputs).logits
+        got_tokens = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    c = compare(got.float(), want.float(), "logits")
+    assert c.cosine >= 0.9999, c
+    assert torch.equal(got_tokens, want_tokens)
+    rows = [r for r in mlp_rows(report.to_json()) if r["status"] == "patched"]
+    assert rows and all(r["calls"] > 0 and r["backend"] == "cpu" and not r["fallbacks"] for r in rows)
+
+
+class GeluMLP(nn.Module):
+    """Gemma-style: the same three projections, a GELU instead of SiLU."""
+
+    def __init__(self, h=16, i=32):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(h, i), nn.Linear(h, i), nn.Linear(i, h)
+        self.act_fn = nn.GELU(approximate="tanh")
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, *mlps):
+        super().__init__()
+        self.mlp = mlps[0]
+        self.more = nn.ModuleList(mlps[1:])
+
+
+def test_a_gelu_mlp_is_skipped_with_the_reason():
+    model = Stack(GeluMLP())
+    report = pypto_gym.patch_model(model, backend="torch", fuse_residual=False).to_json()
+    (row,) = mlp_rows(report)
+    assert row["status"] == "skipped" and "act_fn (GELU) is not SiLU" in row["reason"]
+    assert "forward" not in model.mlp.__dict__
+
+
+def test_a_non_gated_mlp_is_skipped_with_the_reason():
+    model = tiny_qwen2_vl()  # its vision tower: fc1 -> QuickGELU -> fc2
+    report = pypto_gym.patch_model(model, backend="torch").to_json()
+    vision = [r for r in mlp_rows(report) if r["kind"] == "vision.mlp"]
+    assert vision and all(r["status"] == "skipped" and "not a gated (SwiGLU) MLP" in r["reason"] for r in vision)
+    assert all(r["status"] == "patched" for r in mlp_rows(report) if r["kind"] == "text.mlp")
+
+
+def test_a_hook_on_act_fn_runs_the_original_forward_counted(model32, sample_inputs):
+    seen = []
+    act = model32.model.language_model.layers[0].mlp.act_fn
+    act.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    want = logits(copy.deepcopy(model32), sample_inputs)
+    seen.clear()
+    report = pypto_gym.patch_model(model32, backend="torch")
+    assert torch.equal(logits(model32, sample_inputs), want) and len(seen) == 1
+    row = next(r for r in mlp_rows(report.to_json()) if r["path"].endswith("layers.0.mlp"))
+    assert row["fusion_bypassed"] == {"act_fn has hooks": 1} and row["calls"] == 0
+
+
+def test_sites_globs_select_and_exclude_mlps(model32):
+    report = pypto_gym.patch_model(model32, backend="torch", sites="!*.mlp").to_json()
+    assert all(r["status"] == "skipped" and r["reason"].startswith("not selected") for r in mlp_rows(report))
+    assert all(r["status"] == "patched" for r in report["sites"] if r["op"] == "rms_norm")
+    pypto_gym.unpatch_model(model32)
+    report = pypto_gym.patch_model(model32, backend="torch", sites="text.mlp").to_json()
+    assert {r["kind"] for r in report["sites"] if r["status"] == "patched"} == {"text.mlp"}
+
+
+def test_the_switch_runs_the_original_mlp(model32, sample_inputs):
+    want = logits(copy.deepcopy(model32), sample_inputs)
+    report = pypto_gym.patch_model(model32, backend="cpu", sites="*.mlp")
+    with pypto_gym.config.scoped(enabled=False):
+        assert torch.equal(logits(model32, sample_inputs), want)
+    assert report.to_json()["summary"]["calls"] == 0

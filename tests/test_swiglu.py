@@ -1,0 +1,83 @@
+"""swiglu's golden against independent evidence: a hand-worked example, the fp64 formula, HF's own act_fn.
+
+Everything else about the op (opcheck, refusals, backward, compile, the cpu/pypto/npu backends against
+the golden, the case format) comes from its definition through the parametrised suites.
+"""
+import math
+
+import pytest
+import torch
+from transformers.activations import ACT2FN
+
+from pypto_gym import ops
+
+from support import ulps_apart
+
+
+def fp64_swiglu(gate, up):
+    g = gate.double()
+    return g / (1 + torch.exp(-g)) * up.double()
+
+
+def test_hand_worked_example():
+    gate = torch.tensor([0.0, 1.0, -1.0, 2.0])
+    up = torch.tensor([1.0, 2.0, 3.0, 0.5])
+    silu = [0.0, 1 / (1 + math.exp(-1)), -1 / (1 + math.exp(1)), 2 / (1 + math.exp(-2))]
+    expected = torch.tensor([s * u for s, u in zip(silu, up.tolist())], dtype=torch.float64)
+    assert expected.tolist() == pytest.approx([0.0, 1.4621171573, -0.8068242642, 0.8807970780], abs=1e-9)
+    for mode in ("hf", "fp32"):
+        y = ops.swiglu(gate, up, cast_mode=mode, backend="torch")
+        assert torch.allclose(y.double(), expected, rtol=2 ** -22, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("mode,roundings", [("hf", 2), ("fp32", 1)])
+def test_rounding_error_against_fp64(dtype, mode, roundings):
+    """hf is the fp64 value rounded twice in the dtype (silu, then the product), fp32 once; in fp32 the
+    formula's own roundings (exp, add, divide, multiply) give a few ulps."""
+    torch.manual_seed(0)
+    gate, up = (torch.randn(64, 1000) * 3).to(dtype), torch.randn(64, 1000).to(dtype)
+    y = ops.swiglu(gate, up, cast_mode=mode, backend="torch")
+    exact = fp64_swiglu(gate, up)
+    err = ((y.double() - exact).abs() / exact.abs().clamp_min(1e-30))
+    err = err[exact.abs() > 1e-3]  # a product near zero has no relative error worth counting
+    allowed = (roundings if dtype != torch.float32 else 8) * torch.finfo(dtype).eps
+    assert float(err.max()) <= allowed, float(err.max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_hf_mode_is_bit_identical_to_transformers(dtype):
+    torch.manual_seed(1)
+    gate, up = torch.randn(2, 7, 256).to(dtype), torch.randn(2, 7, 256).to(dtype)
+    assert torch.equal(ops.swiglu(gate, up, backend="torch"), ACT2FN["silu"](gate) * up)
+
+
+def test_hf_and_fp32_modes_round_differently():
+    torch.manual_seed(2)
+    gate, up = torch.randn(4096).bfloat16(), torch.randn(4096).bfloat16()
+    hf, fp32 = ops.swiglu(gate, up, backend="torch"), ops.swiglu(gate, up, cast_mode="fp32", backend="torch")
+    assert not torch.equal(hf, fp32)
+    exact = fp64_swiglu(gate, up)
+    assert float((fp32.double() - exact).abs().mean()) < float((hf.double() - exact).abs().mean())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("mode", ["hf", "fp32"])
+def test_cpu_kernel_is_within_an_ulp(dtype, mode):
+    """The README's claim: 1 ulp of a 16-bit dtype (exp is a polynomial, not torch's), 4 ulps of fp32."""
+    torch.manual_seed(3)
+    gate, up = (torch.randn(33, 3420) * 4).to(dtype), torch.randn(33, 3420).to(dtype)
+    gate[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 89.0, -89.0, float("inf"), float("-inf")])
+    y = ops.swiglu(gate, up, cast_mode=mode, backend="cpu")
+    golden = ops.swiglu(gate, up, cast_mode=mode, backend="torch")
+    assert ulps_apart(y, golden) <= (4 if dtype == torch.float32 else 1)
+    assert torch.equal(torch.isnan(y), torch.isnan(golden))
+
+
+def test_the_two_halves_of_a_merged_tensor_are_taken_as_views():
+    torch.manual_seed(4)
+    merged = torch.randn(3, 5, 128).bfloat16()
+    gate, up = merged[..., :64], merged[..., 64:]
+    assert not gate.is_contiguous()
+    assert torch.equal(ops.swiglu(gate, up, backend="cpu"), ops.swiglu(gate.contiguous(), up.contiguous(),
+                                                                        backend="torch"))
