@@ -69,6 +69,7 @@ class Op:
         self.examples, self.bench, self.tolerance = tuple(examples), bench, tolerance
         self.impls: dict[str, Impl] = {}
         self.unsupported: dict[str, str] = {}
+        self._last = (None, False)  # (signature, eager) of the last validated call
         self.tensor_index = [i for i, a in enumerate(self.args) if isinstance(a, Tensor)]
         self.device_index = self.tensor_index[0]
         self.doc = inspect.getdoc(golden) or ""
@@ -116,13 +117,26 @@ class Op:
     # -- calling ---------------------------------------------------------------------------------------
     def call(self, args: tuple, backend, stats):
         """Validate, then run through dispatch (eagerly, or through the custom op when traced or with autograd).
-        While torch.compile traces, the arguments are checked by the fake kernel (the golden) instead: the
-        validation's Python would be traced into every graph."""
-        if not _is_compiling():
-            self.validate(args)
+
+        Validation depends only on the arguments' types, dtypes, shapes, devices and scalar values, so a call
+        whose signature equals the last validated one (a model calls an op with the same kind of arguments
+        hundreds of times) skips it, and the eager decision with it. While torch.compile traces, the
+        arguments are checked by the fake kernel (the golden) instead: the validation's Python would be
+        traced into every graph."""
+        if _is_compiling():
+            eager = False
+        else:
+            key = (_is_grad_enabled(), *[(type(a), a.dtype, a.shape, a.device, a.requires_grad)
+                                         if isinstance(a, torch.Tensor) else a for a in args])
+            if key == self._last[0]:
+                eager = self._last[1]
+            else:
+                self.validate(args)
+                eager = self.eager(args)
+                self._last = (key, eager)
         backend = registry.default_backend() if backend is None else registry.check_name(backend)
         stats = dispatch.GLOBAL if stats is None else stats
-        if self.eager(args):
+        if eager:
             return dispatch.call(self, backend, stats, args)
         return self.from_custom(self.custom_op(*args, backend, stats.id), args)
 
@@ -285,9 +299,8 @@ def _op_named(name: str) -> Op:
 class BoundCall:
     """An op bound to one patch site: its backend, counters and constant arguments (eps, cast mode), validated
     once, as HF kernels decide at kernelize time. A patched module calls it hundreds of times a token with
-    the remaining arguments; a call whose tensors have the types, dtypes, shapes and devices of the last
-    fully validated call (and that needs no autograd and is not traced) goes straight to dispatch; any
-    other call takes the op's entry path, with its validation and error messages.
+    the remaining arguments: a call of the same kind as the last one goes straight to dispatch; any other
+    call takes the op's entry path, with its validation and error messages.
     """
 
     __slots__ = ("op", "backend", "stats", "constants", "_slots", "_template", "_key")
@@ -308,12 +321,11 @@ class BoundCall:
         for i, v in zip(self._slots, free):
             args[i] = v
         args = tuple(args)
-        key = (_is_grad_enabled(),) + tuple(
-            None if t is None else (type(t), t.dtype, t.shape, t.device, t.requires_grad, t.is_meta)
-            for t in free if t is None or isinstance(t, torch.Tensor))
+        key = (_is_grad_enabled(), *[None if t is None else (type(t), t.dtype, t.shape, t.device, t.requires_grad)
+                                     for t in free])
         if key == self._key and not _is_compiling():
             return dispatch.call(self.op, self.backend, self.stats, args)
         out = self.op.call(args, self.backend, self.stats)
-        if self.op.eager(args):  # validated and plain: the next call of the same kind goes straight through
+        if self.op._last[0] is not None and self.op._last[1]:  # validated and eager: the same kind goes straight on
             self._key = key
         return out

@@ -104,7 +104,7 @@ def swiglu_kernel(pypto):
         pypto.set_vec_tile_shapes(rows, cols)
         g = pl.f32(gate)
         s = g * pypto.sigmoid(g)
-        if hf and gate.dtype != pl.FP32:  # HF rounds silu's result to the input dtype before the multiply
+        if hf == 1 and gate.dtype != pl.FP32:  # HF rounds silu's result to the input dtype before the multiply
             s = pl.f32(pypto.cast(s, gate.dtype))
         out[:] = pl.to(s * pl.f32(up), out.dtype)
     return swiglu
