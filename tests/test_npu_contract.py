@@ -213,3 +213,64 @@ def test_quant_matmul_limits_are_the_documented_ones(npu, monkeypatch):
     with pytest.raises(RuntimeError, match="pertoken_scale is not supported"):
         torch_npu_standin.npu_quant_matmul(x_q, w_q.t(), torch.ones(4), pertoken_scale=torch.ones(2),
                                            output_dtype=torch.float16)
+
+
+def _text_rope(S, D=128, E=None, dtype=torch.bfloat16, mrope=False, heads=(16, 2)):
+    gen = torch.Generator().manual_seed(S)
+    q = torch.randn(1, S, heads[0], D, generator=gen).to(dtype).transpose(1, 2)  # HF's [B, H, S, D] view
+    k = torch.randn(1, S, heads[1], D, generator=gen).to(dtype).transpose(1, 2)
+    shape = (3, 1, S, E or D) if mrope else (1, S, E or D)
+    cos, sin = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    return q, k, cos, sin, [16, 24, 24] if mrope else [], 1
+
+
+@pytest.mark.parametrize("case,op_used", [
+    ("text", "npu_apply_rotary_pos_emb"), ("decode", "npu_apply_rotary_pos_emb"),
+    ("mrope", "npu_apply_rotary_pos_emb"), ("partial", "npu_rotary_mul"), ("vision", "npu_rotary_mul"),
+    ("text_fp32_dtype_hf", "npu_apply_rotary_pos_emb")])
+def test_rope_maps_onto_the_documented_rotary_ops(npu, case, op_used):
+    """fp32 mode (and hf on fp32 tensors, the same math) on both torch_npu rotary ops; each layout lands in
+    the documented BSND form, the result within precision of the golden and in its shape and dtype."""
+    if case == "vision":
+        gen = torch.Generator().manual_seed(0)
+        qkv = torch.randn(37, 3 * 16 * 80, generator=gen).bfloat16().reshape(37, 3, 16, 80).permute(1, 0, 2, 3)
+        args = (qkv[0], qkv[1], torch.randn(37, 80, generator=gen), torch.randn(37, 80, generator=gen), [], -2, "fp32")
+    elif case == "text_fp32_dtype_hf":
+        args = (*_text_rope(9, dtype=torch.float32), "hf")
+    else:
+        S = {"decode": 1}.get(case, 9)
+        args = (*_text_rope(S, E=64 if case == "partial" else None, mrope=case == "mrope"), "fp32")
+    assert npu.supports("rope", *args) is None
+    before = [t.clone() for t in args[:2]]
+    got = npu.rope(*args)
+    golden = OPS["rope"].golden(*args)
+    assert torch_npu_standin.calls[-1] == op_used
+    assert [(g.shape, g.dtype) for g in got] == [(g.shape, g.dtype) for g in golden]
+    assert_close(got, golden, OPS["rope"].outputs)
+    assert all(torch.equal(a, b) for a, b in zip(args[:2], before))  # npu_apply_rotary_pos_emb ran on copies
+
+
+def test_qk_norm_rope_maps_onto_npu_rms_norm_and_the_rotary_op(npu):
+    q, k, cos, sin, sec, u = _text_rope(5)
+    w = (1 + 0.1 * torch.randn(2, 128)).bfloat16()
+    args = (q, k, w[0], w[1], cos, sin, sec, 1e-6, 1e-6, u, "fp32")
+    assert npu.supports("qk_norm_rope", *args) is None
+    assert_close(npu.qk_norm_rope(*args), OPS["qk_norm_rope"].golden(*args), OPS["qk_norm_rope"].outputs)
+    assert torch_npu_standin.calls == ["npu_rms_norm", "npu_rms_norm", "npu_apply_rotary_pos_emb"]
+
+
+@pytest.mark.parametrize("args,reason", [
+    (_text_rope(4) + ("hf",), "hf mode on bfloat16: torch_npu's rope kernels round once"),
+    (_text_rope(2, D=1024) + ("fp32",), "rotary dim 1024 not below 896"),
+    (_text_rope(1, D=80, heads=(1000, 2)) + ("fp32",), "N=1000 not below 1000"),
+    ((*_text_rope(3)[:4], [], 1, "fp32"), None),
+])
+def test_rope_limits_are_the_documented_ones(npu, monkeypatch, args, reason):
+    got = npu.supports("rope", *args)
+    assert (got is None) if reason is None else (reason in got), got
+    if reason and "hf mode" not in reason:  # the stand-in (torch_npu's documented limit) refuses it too
+        with pytest.raises(RuntimeError, match="npu_rotary_mul|npu_apply_rotary_pos_emb"):
+            npu.rope(*args)
+    monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend310P3")
+    older = Npu(NpuBackend(module_name="torch_npu_standin"))
+    assert "must be 128 outside Atlas A2/A3" in older.supports("rope", *_text_rope(2, D=64), "fp32")

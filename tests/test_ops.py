@@ -18,6 +18,7 @@ import torch
 import pypto_gym
 from pypto_gym import ops
 from pypto_gym.ops import OPS, dispatch, registry
+from pypto_gym.ops.args import Tensor
 
 from support import assert_close, op_examples, run_on
 
@@ -175,8 +176,10 @@ def test_outputs_without_a_backward_never_require_grad(backend, op):
 @pytest.mark.parametrize("op", [op for op in OPS.values() if op.args[0].pattern[0].startswith("*")],
                          ids=lambda op: op.name)
 def test_empty_inputs_give_empty_outputs(backend, op):
-    star = op.args[0].pattern[0][1:]
-    args = op.example_args({**op.examples[0], star: (0, 5)})
+    """Every leading-dims group of the first example with its first dim 0 (rows 0; rope: batch 0)."""
+    stars = {p[1:] for a in op.args if isinstance(a, Tensor) for p in a.pattern if p.startswith("*")}
+    example = op.examples[0]
+    args = op.example_args({**example, **{s: (0, *example[s][1:]) for s in stars if example.get(s)}})
     out = op.call(args, backend, None)
     golden = op.golden(*args)
     for a, g in zip(out if isinstance(out, tuple) else (out,), golden if isinstance(golden, tuple) else (golden,)):

@@ -1,7 +1,7 @@
 """Argument roles of an op definition: what each argument is, checked, stored in a case file, generated.
 
 An op definition (ops/defs/*.py) lists its arguments as roles: `Tensor` (activations, weights,
-per-channel vectors, int8 codes, scales), `Float`, `Choice`, `Ints`, `DType`. From that one list
+per-channel vectors, int8 codes, scales), `Float`, `Int`, `Choice`, `Ints`, `DType`. From that one list
 everything that touches arguments is derived: the Python entry point's signature and defaults, the
 custom op's schema, the validation of every call (errors that name the argument, what was seen
 and what was expected), a case file's input fields (written by the recorder, read and checked
@@ -272,6 +272,22 @@ class Float(Arg):
                                 "value") from None
         if not math.isfinite(v) or v < self.low or (self.low_open and v == self.low):
             raise ArgValueError(self.name, f"got {value}; expected {expected}", "value")
+
+
+class Int(Arg):
+    """An integer scalar within [low, high] (a dimension index such as rope's unsqueeze_dim)."""
+
+    annotation = int
+
+    def __init__(self, name: str, *, low: int, high: int, **kw):
+        super().__init__(name, **kw)
+        self.low, self.high = low, high
+
+    def check(self, value, ctx: Context) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ArgTypeError(self.name, f"expected an int, got {type(value).__name__}", "value")
+        if not self.low <= value <= self.high:
+            raise ArgValueError(self.name, f"got {value}; expected an int in [{self.low}, {self.high}]", "value")
 
 
 class Choice(Arg):

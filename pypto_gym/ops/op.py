@@ -70,6 +70,7 @@ class Op:
         self.impls: dict[str, Impl] = {}
         self.unsupported: dict[str, str] = {}
         self._last = (None, False)  # (signature, eager) of the last validated call
+        self._layouts: dict = {}  # kind of call -> the golden's output layouts (empty_outputs)
         self.tensor_index = [i for i, a in enumerate(self.args) if isinstance(a, Tensor)]
         self.device_index = self.tensor_index[0]
         self.doc = inspect.getdoc(golden) or ""
@@ -157,8 +158,9 @@ class Op:
 
     def example_args(self, example: dict, seed: int = 0) -> tuple:
         """Arguments for one of the definition's `examples` (or any such dict): dims by name (`R` a tuple
-        of leading dims), `dtype` for the float activations (default bfloat16), values for scalars, None
-        to leave an optional tensor out; tensors generated as case inputs are, from `seed`."""
+        of leading dims), `dtype` for the float activations (default bfloat16), `<name>_dtype` for one float
+        argument's own, values for scalars, None to leave an optional tensor out; tensors generated as case
+        inputs are, from `seed`."""
         gen = torch.Generator().manual_seed(seed)
         made: dict = {}
         for a in self.args:
@@ -173,8 +175,8 @@ class Op:
                 shape += list(example[p[1:]]) if p.startswith("*") else [int(p) if p.isdigit() else example[p]]
             if a.like is not None:
                 dtype = made[a.like].dtype
-            elif a.floats or a.dtypes == FLOAT_DTYPES:
-                dtype = example.get("dtype", torch.bfloat16)
+            elif a.floats or a.dtypes == FLOAT_DTYPES:  # `<name>_dtype` sets one argument's own (fp32 cos)
+                dtype = example.get(f"{a.name}_dtype", example.get("dtype", torch.bfloat16))
             else:
                 dtype = a.dtypes[0]
             made[a.name] = a.generate(torch.empty(shape, dtype=dtype, device="meta"), gen)
@@ -198,14 +200,25 @@ class Op:
         return tuple(like.new_empty((0,)) if o is None else o for o in out)
 
     def empty_outputs(self, *args):
-        """Uninitialised outputs of the shapes and dtypes the golden gives (run on meta tensors), on the
-        arguments' device: what a kernel that writes its outputs in place is handed."""
-        metas = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
-        out = self.golden(*metas)
+        """Uninitialised outputs of the shapes, dtypes and strides the golden gives (run once per kind of call
+        on meta tensors of the arguments' strides), on the arguments' device: what a kernel that writes its
+        outputs in place is handed, laid out as the custom op's fake kernel says."""
+        key = tuple((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor)
+                    else tuple(a) if isinstance(a, list) else a for a in args)
+        layouts = self._layouts.get(key)
+        if layouts is None:
+            metas = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+                     if isinstance(a, torch.Tensor) else a for a in args]
+            out = self.golden(*metas)
+            outs = out if isinstance(out, tuple) else (out,)
+            layouts = (isinstance(out, tuple), [None if o is None else (o.shape, o.stride(), o.dtype) for o in outs])
+            if len(self._layouts) > 256:
+                self._layouts.clear()
+            self._layouts[key] = layouts
         device = args[self.device_index].device
-        outs = out if isinstance(out, tuple) else (out,)
-        made = tuple(None if o is None else torch.empty(o.shape, dtype=o.dtype, device=device) for o in outs)
-        return made if isinstance(out, tuple) else made[0]
+        made = tuple(None if m is None else torch.empty_strided(m[0], m[1], dtype=m[2], device=device)
+                     for m in layouts[1])
+        return made if layouts[0] else made[0]
 
     # -- derived registrations -------------------------------------------------------------------------
     def _register_custom_op(self):

@@ -18,6 +18,11 @@ against this module, written from torch_npu's API pages:
       a float bias is added after dequantisation; x1, x2 and scale must not be empty.
   npu_swiglu(input, dim=-1) -> swish(A) * B for the halves A, B of input along dim: 1-8 dims, dim's size
       even, contiguous, not empty, fp32/fp16/bf16; Atlas A2/A3.
+  npu_rotary_mul(input, r1, r2, rotary_mode="half") -> r1 * input + r2 * rotate_half(input): 4-D,
+      fp16/bf16/fp32, r1/r2 of input's dtype; A2/A3: D < 896 and even, B and N < 1000, BSND input with
+      r1/r2 as 1S1D, BS1D or BSND (older series: D = 128).
+  npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSND", rotary_mode="half") -> (query, key),
+      rotated in place; B and S of all four equal, D equal, one dtype.
 `npu.get_device_name()` reports the chip this stand-in pretends to be (`DEVICE_NAME`).
 """
 import types
@@ -137,3 +142,39 @@ def npu_swiglu(input, dim=-1):
     _check(input.shape[dim] % 2 == 0, f"npu_swiglu: dim {dim} of size {input.shape[dim]} is odd")
     a, b = input.chunk(2, dim=dim)
     return OPS["swiglu"].golden(a, b, "fp32")  # computed in fp32, rounded once
+
+
+def _rotary(x, r1, r2):
+    """r1 * x + r2 * rotate_half(x), computed in fp32 and rounded once to x's dtype."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    return (xf * r1.float() + torch.cat((-xf[..., half:], xf[..., :half]), -1) * r2.float()).to(x.dtype)
+
+
+def npu_rotary_mul(input, r1, r2, rotary_mode="half"):
+    calls.append("npu_rotary_mul")
+    _check(rotary_mode == "half", f"npu_rotary_mul: rotary_mode {rotary_mode!r} (this stand-in: half)")
+    _check(input.dim() == 4 and r1.dim() == 4 and r2.shape == r1.shape, "npu_rotary_mul: 4-D input, r1, r2")
+    _check(input.dtype in (torch.float32, torch.float16, torch.bfloat16) and r1.dtype == input.dtype == r2.dtype,
+           f"npu_rotary_mul: dtypes {input.dtype}, {r1.dtype}, {r2.dtype}")
+    B, S, N, D = input.shape
+    if _a2_a3():
+        _check(D < 896 and D % 2 == 0 and B < 1000 and N < 1000, f"npu_rotary_mul: shape {tuple(input.shape)}")
+    else:
+        _check(D == 128, f"npu_rotary_mul: D={D} (128 only on this chip)")
+    _check(r1.shape[0] in (1, B) and r1.shape[1] == S and r1.shape[2] in (1, N) and r1.shape[3] == D,
+           f"npu_rotary_mul: r1 {tuple(r1.shape)} is not 1S1D, BS1D or BSND for input {tuple(input.shape)}")
+    return _rotary(input, r1, r2)
+
+
+def npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSND", rotary_mode="half"):
+    calls.append("npu_apply_rotary_pos_emb")
+    _check(layout == "BSND" and rotary_mode == "half", f"npu_apply_rotary_pos_emb: {layout}, {rotary_mode}")
+    _check(all(t.dim() == 4 for t in (query, key, cos, sin)), "npu_apply_rotary_pos_emb: 4-D tensors")
+    _check(len({t.dtype for t in (query, key, cos, sin)}) == 1, "npu_apply_rotary_pos_emb: one dtype")
+    _check(all(t.shape[:2] == query.shape[:2] and t.shape[-1] == query.shape[-1] for t in (key, cos, sin)),
+           "npu_apply_rotary_pos_emb: B, S and D of query, key, cos, sin must be equal")
+    _check(cos.shape[2] == 1 and sin.shape == cos.shape, f"npu_apply_rotary_pos_emb: cos {tuple(cos.shape)}")
+    query.copy_(_rotary(query, cos, sin))
+    key.copy_(_rotary(key, cos, sin))
+    return query, key

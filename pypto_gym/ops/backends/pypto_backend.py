@@ -2,8 +2,8 @@
 
 Each op definition writes its PyPTO kernel as a factory `kernel(pypto) -> function` (so PyPTO is
 imported only when a kernel is first needed) and launches it with `backend.launch(...)`. Kernels
-see 2-D row tensors [R, D] and per-channel vectors as [1, D], take their tile shape (rows, cols)
-as the last two arguments, and follow two rules PyPTO 0.2.0 imposes: outputs are assigned last,
+see 2-D row tensors [R, D] and per-channel vectors as [1, D] (the rotary kernels: [tokens, heads,
+D]), take their tile shape (rows, cols; rows, heads, cols) as the last arguments, and follow two rules PyPTO 0.2.0 imposes: outputs are assigned last,
 in the order they are declared (PyPTO numbers outputs by first assignment, which is how this
 module matches the verification dumps to outputs), and no tensor is read after it has been
 assigned to an output. Shared helpers for kernel bodies live in pypto_lib.py.
@@ -50,9 +50,14 @@ class Tiles:
     rows: int
     cols: int
     nbuffer: int = 0  # PyPTO's vec_nbuffer_setting; 0 keeps its default merging
+    heads: int = 0  # 3-D tiles (rows, heads, cols) for [tokens, heads, D] kernels; 0: 2-D rows
+
+    @property
+    def shape(self) -> tuple:
+        return (self.rows, self.heads, self.cols) if self.heads else (self.rows, self.cols)
 
     def __str__(self):
-        return f"{self.rows}x{self.cols}" + (f" nbuffer {self.nbuffer}" if self.nbuffer else "")
+        return "x".join(map(str, self.shape)) + (f" nbuffer {self.nbuffer}" if self.nbuffer else "")
 
 
 def bucket(R: int) -> str:
@@ -161,7 +166,7 @@ class PyptoBackend(Backend):
 
         R, D = x.numel() // x.shape[-1], x.shape[-1]
         tiles = tiles or tile_config(name, R, D, align)
-        args = (*inputs, *outputs, *scalars, tiles.rows, tiles.cols)
+        args = (*inputs, *outputs, *scalars, *tiles.shape)
         if x.device.type == "npu":
             self._kernel(x.device.type, name, factory, tiles.nbuffer)(*args)
             return

@@ -1,7 +1,8 @@
 """Helpers for PyPTO kernel bodies, shared by the op definitions' kernels (imported only to build one).
 
-PyPTO's frontend inlines these calls into the kernel it traces. The norm math follows each op's
-golden: `norm` is SPEC 2.1 in each cast mode, `quantise` the per-row symmetric quantisation.
+PyPTO's frontend inlines these calls into the kernel it traces (so they import nothing: its parser
+takes no imports). The math follows each op's golden: `norm` is SPEC 2.1 in each cast mode,
+`quantise` the per-row symmetric quantisation, `rotate` and `merged_angles` the rotary embedding.
 """
 import pypto
 
@@ -45,3 +46,44 @@ def quant_input(x, g, beta, eps, inv_d):
     xf = f32(x)
     rms = pypto.sqrt(pypto.sum(xf * xf * inv_d, -1, keepdim=True) + eps)
     return xf / rms * f32(g) + f32(beta)
+
+
+def head_norm(x, g, eps, inv_d, hf):
+    """qk_norm_rope's per-head norm of a [T, H, D] tensor, as fp32: hf rounded to x's dtype as HF's RMSNorm
+    returns it, fp32 left unrounded for the rotation."""
+    if hf == 1:
+        return f32(norm(x, g, x.dtype, eps, inv_d, HF))
+    return norm(x, g, FP32, eps, inv_d, FP32_MODE)
+
+
+def merged_angles(planes, sec_t, sec_h, sec_w):
+    """cos or sin as fp32 [T, 1, E]: the one plane of the merged form (sec_h = sec_w = 0), or MRoPE's three
+    planes merged: column chunk c of (t, h, w, t, h, w) from plane c % 3."""
+    if sec_h == 0 and sec_w == 0:
+        return f32(planes[0])
+    T = planes[0].shape[0]
+    widths = [sec_t, sec_h, sec_w, sec_t, sec_h, sec_w]
+    parts = []
+    start = 0
+    for c in range(6):
+        if widths[c] > 0:
+            parts.append(pypto.view(planes[c % 3], [T, 1, widths[c]], [0, 0, start]))
+        start += widths[c]
+    return f32(pypto.concat(parts, 2))
+
+
+def rotate(x, cos, sin, out_dtype, hf):
+    """x * cos + rotate_half(x) * sin on the first E (cos's width) dims of an fp32 [T, H, D] tensor, the rest
+    passed through, in out_dtype; hf rounds both products to out_dtype before the sum (HF's text function)."""
+    T, H, D, E = x.shape[0], x.shape[1], x.shape[2], cos.shape[2]
+    xr = x if E == D else pypto.view(x, [T, H, E], [0, 0, 0])
+    x1 = pypto.view(xr, [T, H, E // 2], [0, 0, 0])
+    x2 = pypto.view(xr, [T, H, E // 2], [0, 0, E // 2])
+    rot = pypto.concat([pypto.neg(x2), x1], 2)
+    if hf == 1 and out_dtype != FP32:
+        y = f32(pypto.cast(xr * cos, out_dtype)) + f32(pypto.cast(rot * sin, out_dtype))
+    else:
+        y = xr * cos + rot * sin
+    if E < D:
+        y = pypto.concat([y, pypto.view(x, [T, H, D - E], [0, 0, E])], 2)
+    return to(y, out_dtype)

@@ -1,0 +1,513 @@
+"""rope and qk_norm_rope (SPEC 10): the rotary embedding of q and k in one call, and Qwen3's per-head
+q/k RMSNorm fused in front of it.
+
+rope(q, k, cos, sin) = (q*cos + rotate_half(q)*sin, k*cos + rotate_half(k)*sin), the half-rotation
+(NeoX) layout HF's Llama/Qwen families use, with:
+- q and k of different head counts (GQA: 16 and 2 heads for GutenOCR-3B), any layout HF hands over:
+  cos and sin get a singleton heads dim at `unsqueeze_dim` and broadcast ([B, H, S, D] text with
+  [B, S, D] cos at unsqueeze_dim=1; [S, H, D] vision with [S, D] cos at unsqueeze_dim=-2);
+- partial rotary: cos's last dim E may be less than D; the first E dims rotate, the rest pass through;
+- MRoPE (transformers 4.57's `apply_multimodal_rotary_pos_emb`): with `mrope_section` (t, h, w) cos
+  and sin are the un-merged (3, B, S, E) planes, and the section selection happens inside the op;
+  transformers 5.x merges them once per forward and hands over the merged (B, S, E) form.
+- cast modes: `hf` rounds as HF's text function does (each product and the sum in the promoted dtype
+  of q and cos); `fp32` upcasts q, k, cos and sin, computes in fp32 and rounds once to q's and k's
+  dtypes (HF's `apply_rotary_pos_emb_vision`; vLLM and torch_npu's kernels). The torch backend is
+  bit-identical to the HF function of each form.
+
+qk_norm_rope(q, k, q_weight, k_weight, cos, sin, ...) = rope(rms_norm(q), rms_norm(k), cos, sin): the
+norm over each head's D values with each its own gamma and eps, as Qwen3's q_norm/k_norm run before
+the rotation; q and k are the un-normalised projections (any layout: the norm is per head vector, so
+HF's transpose between norm and rope commutes with it). `hf` rounds the norm as HF's RMSNorm and the
+rotation as HF's text function; `fp32` keeps the normalised values in fp32 into the rotation and
+rounds once (vllm-ascend's fused qkv_rmsnorm_rope).
+"""
+import math
+
+import torch
+
+from ..args import FLOAT_DTYPES, ArgValueError, Choice, Float, Int, Ints, Output, Tensor, dtype_name
+from ..backends.pypto_backend import UB_BYTES, Tiles
+from ..op import Backward, Op
+from .rms_norm import rms_norm
+
+CAST_MODES = ("hf", "fp32")
+MODES = {"hf": 0, "fp32": 1}
+
+
+def rotate_half(x):
+    """HF's rotate_half: [x1, x2] -> [-x2, x1] over the last dim."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def merge_sections(planes, mrope_section):
+    """4.57's MRoPE section merge: column chunk i (sections repeated for both halves) from plane i % 3."""
+    chunks = planes.split(list(mrope_section) * 2, dim=-1)
+    return torch.cat([m[i % 3] for i, m in enumerate(chunks)], dim=-1)
+
+
+def _embed(x, cos, sin):
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return (x * cos) + (rotate_half(x) * sin)
+    x_rot, x_pass = x[..., :rd], x[..., rd:]
+    return torch.cat(((x_rot * cos) + (rotate_half(x_rot) * sin), x_pass), dim=-1)
+
+
+def rope(q, k, cos, sin, mrope_section=(), unsqueeze_dim=1, cast_mode="hf"):
+    """(q_embed, k_embed) = (q*cos + rotate_half(q)*sin, k*cos + rotate_half(k)*sin), cos/sin unsqueezed at
+    `unsqueeze_dim` (merged from their (3, ..., E) planes first when `mrope_section` is given); `hf` rounds
+    as HF's text function, `fp32` as its vision function (fp32 throughout, one rounding)."""
+    if mrope_section:
+        cos, sin = merge_sections(cos, mrope_section), merge_sections(sin, mrope_section)
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    if cast_mode == "fp32":
+        cos, sin = cos.float(), sin.float()
+        return _embed(q.float(), cos, sin).to(q.dtype), _embed(k.float(), cos, sin).to(k.dtype)
+    return _embed(q, cos, sin), _embed(k, cos, sin)
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, mrope_section=(), q_eps=1e-6, k_eps=1e-6, unsqueeze_dim=1,
+                 cast_mode="hf"):
+    """rope(rms_norm(q, q_weight, q_eps), rms_norm(k, k_weight, k_eps), cos, sin): Qwen3's per-head q/k norm
+    and the rotation in one call; `hf` rounds each step as HF, `fp32` rounds once at the end."""
+    if cast_mode == "fp32":
+        qn, kn = _norm_f32(q, q_weight, q_eps), _norm_f32(k, k_weight, k_eps)
+        qe, ke = rope(qn, kn, cos, sin, mrope_section, unsqueeze_dim=unsqueeze_dim, cast_mode="fp32")
+        return qe.to(q.dtype), ke.to(k.dtype)
+    return rope(rms_norm(q, q_weight, q_eps, "hf"), rms_norm(k, k_weight, k_eps, "hf"), cos, sin, mrope_section,
+                unsqueeze_dim=unsqueeze_dim, cast_mode="hf")
+
+
+def _norm_f32(x, gamma, eps):
+    """The fp32 norm without its final rounding: the fused op keeps it in fp32 into the rotation."""
+    h = x.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * gamma.reshape(x.shape[-1]).float()
+
+
+# ---- validation: the shapes HF's functions accept ----------------------------------------------------
+def _merged_shape(cos, mrope_section):
+    return tuple(cos.shape[1:]) if mrope_section else tuple(cos.shape)
+
+
+def check_layout(q, k, cos, mrope_section, unsqueeze_dim):
+    """Refuse what HF's function would refuse or broadcast into another shape, naming the argument."""
+    E = cos.shape[-1]
+    if E % 2:
+        raise ArgValueError("cos", f"rotary dim E={E} (shape {tuple(cos.shape)}); expected an even E")
+    if E > q.shape[-1]:
+        raise ArgValueError("cos", f"rotary dim E={E} exceeds the head dim D={q.shape[-1]} of q")
+    if mrope_section:
+        if cos.dim() < 2 or cos.shape[0] != 3:
+            raise ArgValueError("cos", f"shape {tuple(cos.shape)}; with mrope_section expected the (3, ..., E) "
+                                       f"t/h/w planes")
+        if 2 * sum(mrope_section) != E:
+            raise ArgValueError("mrope_section", f"{list(mrope_section)} sums to {sum(mrope_section)}; expected "
+                                                 f"E/2 = {E // 2} (cos's last dim {E})", "value")
+    merged = _merged_shape(cos, mrope_section)
+    n = len(merged) + 1
+    if not -n <= unsqueeze_dim < n:
+        raise ArgValueError("unsqueeze_dim", f"got {unsqueeze_dim}; expected a dim in [{-n}, {n - 1}] of cos's "
+                                             f"{len(merged)}-d merged shape {merged}", "value")
+    u = unsqueeze_dim % n
+    cos_u = (*merged[:u], 1, *merged[u:-1])
+    for name, x in (("q", q), ("k", k)):
+        lead = tuple(x.shape[:-1])
+        try:
+            ok = torch.broadcast_shapes(lead, cos_u) == lead
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ArgValueError(name, f"shape {tuple(x.shape)} does not broadcast with cos {tuple(cos.shape)} "
+                                      f"unsqueezed at {unsqueeze_dim} (leading dims {cos_u})")
+
+
+def _check_rope(ctx, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode):
+    check_layout(q, k, cos, mrope_section, unsqueeze_dim)
+
+
+def _check_qk_norm_rope(ctx, q, k, qw, kw, cos, sin, mrope_section, q_eps, k_eps, unsqueeze_dim, cast_mode):
+    check_layout(q, k, cos, mrope_section, unsqueeze_dim)
+
+
+def _rope_grads(names):
+    """Gradients by differentiating the golden (the rotation is linear in q and k, so this is exact and
+    cheap): one formula for every form, MRoPE and partial rotary included, and cos/sin when they need it."""
+    def grads(saved, out_grads):
+        args = [saved[n] for n in names]
+        leaves = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                  for a in args]
+        with torch.enable_grad():
+            outs = OPS_BY_GRAD[names].golden(*leaves)
+        pairs = [(o, g) for o, g in zip(outs, out_grads) if g is not None]
+        wrt = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        by_leaf = dict(zip(map(id, wrt), got))
+        return {n: by_leaf.get(id(t)) for n, t in zip(names, leaves)}
+    return grads
+
+
+ANGLE = "angle"
+ROPE_NAMES = ("q", "k", "cos", "sin", "mrope_section", "unsqueeze_dim", "cast_mode")
+QK_NAMES = ("q", "k", "q_weight", "k_weight", "cos", "sin", "mrope_section", "q_eps", "k_eps", "unsqueeze_dim",
+            "cast_mode")
+# q [B, H, S, D] as HF's text attention hands it over, k with fewer heads; vision [S, H, D] with fp32 cos;
+# MRoPE planes; partial rotary; decode
+ROPE_EXAMPLES = ({"Q": (1, 4, 5), "K": (1, 2, 5), "C": (1, 5), "D": 64, "E": 64},
+                 {"Q": (7, 4), "K": (7, 4), "C": (7,), "D": 80, "E": 80, "unsqueeze_dim": -2, "cast_mode": "fp32",
+                  "cos_dtype": torch.float32},
+                 {"Q": (1, 4, 6), "K": (1, 2, 6), "C": (3, 1, 6), "D": 32, "E": 32, "mrope_section": [4, 6, 6]},
+                 {"Q": (2, 3, 1), "K": (2, 1, 1), "C": (2, 1), "D": 48, "E": 32, "dtype": torch.float16},
+                 {"Q": (1, 2, 3), "K": (1, 2, 3), "C": (1, 3), "D": 16, "E": 16, "dtype": torch.float32})
+
+ROPE = Op(rope, [
+    Tensor("q", "*Q D", FLOAT_DTYPES, case="query"),
+    Tensor("k", "*K D", None, like="q", case="key"),
+    Tensor("cos", "*C E", floats=True, gen=ANGLE),
+    Tensor("sin", "*C E", None, like="cos", gen=ANGLE),
+    Ints("mrope_section", default=()),
+    Int("unsqueeze_dim", default=1, low=-8, high=8, kw_only=True),
+    Choice("cast_mode", CAST_MODES, default="hf", kw_only=True),
+], [Output("q_embed"), Output("k_embed")], check=_check_rope, min_dims={"D": 2, "E": 2},
+    backward=Backward(ROPE_NAMES, _rope_grads(ROPE_NAMES)), examples=ROPE_EXAMPLES)
+
+QK_NORM_ROPE = Op(qk_norm_rope, [
+    Tensor("q", "*Q D", FLOAT_DTYPES, case="query"),
+    Tensor("k", "*K D", None, like="q", case="key"),
+    Tensor("q_weight", "D", None, like="q", flat=True, gen="weight"),
+    Tensor("k_weight", "D", None, like="q", flat=True, gen="weight"),
+    Tensor("cos", "*C E", floats=True, gen=ANGLE),
+    Tensor("sin", "*C E", None, like="cos", gen=ANGLE),
+    Ints("mrope_section", default=()),
+    Float("q_eps", default=1e-6, low=0.0),
+    Float("k_eps", default=1e-6, low=0.0),
+    Int("unsqueeze_dim", default=1, low=-8, high=8, kw_only=True),
+    Choice("cast_mode", CAST_MODES, default="hf", kw_only=True),
+], [Output("q_embed"), Output("k_embed")], check=_check_qk_norm_rope, min_dims={"D": 2, "E": 2},
+    backward=Backward(QK_NAMES, _rope_grads(QK_NAMES)),
+    examples=({"Q": (1, 4, 5), "K": (1, 2, 5), "C": (1, 5), "D": 64, "E": 64},
+              {"Q": (1, 4, 3), "K": (1, 2, 3), "C": (1, 3), "D": 128, "E": 128, "cast_mode": "fp32"},
+              {"Q": (1, 2, 1), "K": (1, 1, 1), "C": (1, 1), "D": 40, "E": 40, "dtype": torch.float16},
+              {"Q": (1, 2, 4), "K": (1, 2, 4), "C": (1, 4), "D": 16, "E": 16, "dtype": torch.float32}))
+OPS_BY_GRAD = {ROPE_NAMES: ROPE, QK_NAMES: QK_NORM_ROPE}
+
+
+# ---- the canonical layout every kernel sees --------------------------------------------------------------
+def _as4(x, n, u):
+    """x as [O, H, I, D]: O the dims before the heads dim, I those between it and D (a view where possible)."""
+    a = u + x.dim() - n
+    shape = (math.prod(x.shape[:a]), x.shape[a], math.prod(x.shape[a + 1:-1]), x.shape[-1])
+    try:
+        return x.view(shape)
+    except RuntimeError:
+        return x.reshape(shape)
+
+
+class Layout:
+    """One call in the layout every kernel reads: q and k as [O, H, I, D] (views for every layout HF hands
+    over) and cos/sin as [P, Oc, I, E], P = 3 MRoPE planes or 1, Oc = O, or 1 when cos is shared across
+    the leading dims (batch 1, or HF's vision [S, D]). A broadcast no kernel reads directly (cos shared
+    over some leading dims only) is materialised: cos and sin are copied, never q or k."""
+
+    def __init__(self, q, k, cos, sin, mrope_section, unsqueeze_dim):
+        merged = _merged_shape(cos, mrope_section)
+        n = len(merged) + 1
+        u = unsqueeze_dim % n
+        self.n, self.u = n, u
+        self.P = 3 if mrope_section else 1
+        self.q, self.k = _as4(q, n, u), _as4(k, n, u)
+        self.O, self.Hq, self.I, self.D = self.q.shape
+        self.Hk = self.k.shape[1]
+        a = u + q.dim() - n  # q's heads dim
+        outer, inner = tuple(merged[:u]), tuple(merged[u:-1])
+        q_outer, q_inner = tuple(q.shape[:a]), tuple(q.shape[a + 1:-1])
+        self.E = E = cos.shape[-1]
+        if inner == q_inner and math.prod(outer) == 1:
+            self.Oc = 1
+        elif inner == q_inner and outer == q_outer:
+            self.Oc = self.O
+        else:
+            self.Oc = self.O
+            full = (self.P, *q_outer, *q_inner, E)
+            cos, sin = (t.reshape(self.P, *[1] * (a - u), *merged).expand(full).contiguous() for t in (cos, sin))
+        self.cos = cos.reshape(self.P, self.Oc, self.I, E)
+        self.sin = sin.reshape(self.P, self.Oc, self.I, E)
+
+    def out4(self, t):
+        """An output (shaped like q or k, in the golden's strides) as the same [O, H, I, D] view."""
+        return _as4(t, self.n, self.u)
+
+    def targets(self, oq, ok):
+        """[O, H, I, D] views of the outputs for a kernel to write (the golden's layouts always allow one; an
+        output that does not gets a contiguous stand-in, copied back by `finish`)."""
+        self._pending, views = [], []
+        for t, H in ((oq, self.Hq), (ok, self.Hk)):
+            shape = (self.O, H, self.I, t.shape[-1])
+            try:
+                views.append(t.view(shape))
+            except RuntimeError:
+                views.append(torch.empty(shape, dtype=t.dtype, device=t.device))
+                self._pending.append((t, views[-1]))
+        return views
+
+    def finish(self) -> None:
+        for t, v in self._pending:
+            t.copy_(v.reshape(t.shape))
+
+
+def _angles_supported(cos):
+    """The kernels read cos/sin as fp16, bf16 or fp32 (HF accepts any float: fp64 runs on torch)."""
+    return None if cos.dtype in FLOAT_DTYPES else f"cos dtype {dtype_name(cos.dtype)} not supported"
+
+
+# ---- cpu: fused C++ (rope.cpp) ---------------------------------------------------------------------------
+@ROPE.impl("cpu", supports=lambda backend, q, k, cos, *rest: _angles_supported(cos))
+def _(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode):
+    oq, ok = ROPE.empty_outputs(q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode)
+    lay = Layout(q, k, cos, sin, mrope_section, unsqueeze_dim)
+    backend.ext.rope(lay.q, lay.k, lay.cos, lay.sin, *lay.targets(oq, ok), list(mrope_section), MODES[cast_mode])
+    lay.finish()
+    return oq, ok
+
+
+@QK_NORM_ROPE.impl("cpu", supports=lambda backend, q, k, qw, kw, cos, *rest: _angles_supported(cos))
+def _(backend, q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps, unsqueeze_dim, cast_mode):
+    oq, ok = QK_NORM_ROPE.empty_outputs(q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps,
+                                        unsqueeze_dim, cast_mode)
+    lay = Layout(q, k, cos, sin, mrope_section, unsqueeze_dim)
+    D = q.shape[-1]
+    backend.ext.qk_norm_rope(lay.q, lay.k, q_weight.reshape(D).contiguous(), k_weight.reshape(D).contiguous(),
+                             lay.cos, lay.sin, *lay.targets(oq, ok), list(mrope_section), float(q_eps), float(k_eps),
+                             MODES[cast_mode])
+    lay.finish()
+    return oq, ok
+
+
+# ---- npu: torch_npu.npu_apply_rotary_pos_emb / npu_rotary_mul ---------------------------------------------
+# Both compute x*cos + rotate_half(x)*sin ("half" mode) in one kernel and round once: our fp32 mode, with
+# q, k, cos and sin cast to fp32 first (hf mode with fp32 inputs or an fp32 cos is the same math). hf mode
+# on fp16/bf16 is not mapped: HF rounds both products before the sum, and where they nearly cancel one
+# rounding differs from that by far more than an ulp of the result (SPEC 5 fails), so it runs elsewhere. The layout is BSND (B = O, S = I, N = heads), or [1, O, H, D] when there
+# is no S dim (vision [S, H, D]): documented BNSD limits (B*N <= 8*S) rule BNSD out at decode and in vision.
+# - npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSND", rotary_mode="half") rotates q and k in
+#   one launch, in place (on copies here, so the op stays out-of-place); B and S of cos must equal q's;
+#   used as vllm-ascend does, for full rotary with head_dim 128 or 64.
+# - npu_rotary_mul(x, r1, r2, rotary_mode="half") otherwise, once for q and once for k: 4-D, cos/sin as
+#   1S1D or BS1D, D < 896 and even, B and N < 1000 (Atlas A2/A3, jit_compile=False); older series: D = 128.
+#   head_dim 80 (the vision tower) only fits this one. Partial rotary: the rotated part, then a cat.
+# npu_mrope is not used: it gathers cos/sin from a position-indexed cache inside the kernel, whereas HF
+# hands the attention cos/sin already computed; MRoPE's section merge runs first (two cats, as 5.x does).
+NPU_LIMIT = 1000
+
+
+def _npu_rope_layout(lay):
+    """(x -> BSND view, cos/sin shape) for the canonical layout."""
+    if lay.I == 1:
+        return (lambda x4: x4.reshape(1, lay.O, x4.shape[1], x4.shape[3])), (1, lay.Oc, 1, lay.E)
+    return (lambda x4: x4.permute(0, 2, 1, 3)), (lay.Oc, lay.I, 1, lay.E)
+
+
+def _npu_rope_supports(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode):
+    E = cos.shape[-1]
+    reason = _angles_supported(cos)
+    if reason:
+        return reason
+    if cast_mode == "hf" and torch.promote_types(q.dtype, cos.dtype) != torch.float32:
+        return (f"hf mode on {dtype_name(q.dtype)}: torch_npu's rope kernels round once, HF rounds each product "
+                f"(cast_mode='fp32' maps onto them)")
+    lay = Layout(q.to("meta"), k.to("meta"), cos.to("meta"), sin.to("meta"), mrope_section, unsqueeze_dim)
+    B, S = (1, lay.O) if lay.I == 1 else (lay.O, lay.I)
+    if B >= NPU_LIMIT or max(lay.Hq, lay.Hk) >= NPU_LIMIT:
+        return f"npu_rotary_mul: B={B} or N={max(lay.Hq, lay.Hk)} not below {NPU_LIMIT}"
+    if backend.series_of(q) == "a2_a3":
+        if E >= 896:
+            return f"npu_rotary_mul: rotary dim {E} not below 896"
+    elif E != 128:
+        return f"npu_rotary_mul: rotary dim {E} must be 128 outside Atlas A2/A3"
+    return None
+
+
+def _npu_rotate(backend, lay, cast_mode, out_dtypes):
+    tnpu = backend.torch_npu()
+    compute = torch.float32 if cast_mode == "fp32" else torch.promote_types(lay.q.dtype, lay.cos.dtype)
+    bsnd, angle_shape = _npu_rope_layout(lay)
+    c, s = (t[0].reshape(angle_shape).to(compute) for t in (lay.cos, lay.sin))
+    xs = [bsnd(x4).to(compute) for x4 in (lay.q, lay.k)]
+    if lay.E == lay.D and lay.D in (64, 128):
+        if c.shape[0] != xs[0].shape[0]:
+            c, s = (t.expand(xs[0].shape[0], *t.shape[1:]).contiguous() for t in (c, s))
+        ys = tnpu.npu_apply_rotary_pos_emb(*(x.clone(memory_format=torch.contiguous_format) for x in xs), c, s,
+                                           layout="BSND", rotary_mode="half")
+    else:
+        ys = []
+        for x in xs:
+            y = tnpu.npu_rotary_mul(x[..., :lay.E].contiguous(), c, s, rotary_mode="half")
+            ys.append(y if lay.E == lay.D else torch.cat((y, x[..., lay.E:]), dim=-1))
+    return [y.to(dt) for y, dt in zip(ys, out_dtypes)]
+
+
+def _from_bsnd(lay, y, like):
+    """A BSND result back in the op's output shape (the BSND memory HF's layout and the golden have)."""
+    y4 = y.reshape(lay.O, lay.I, -1, lay.D).permute(0, 2, 1, 3) if lay.I > 1 else y.reshape(lay.O, -1, 1, lay.D)
+    return y4.reshape(like.shape)
+
+
+@ROPE.impl("npu", supports=_npu_rope_supports)
+def _(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode):
+    if mrope_section:
+        cos, sin = merge_sections(cos, mrope_section), merge_sections(sin, mrope_section)
+    lay = Layout(q, k, cos, sin, (), unsqueeze_dim)
+    out = [q.dtype, k.dtype] if cast_mode == "fp32" else [torch.promote_types(q.dtype, cos.dtype)] * 2
+    yq, yk = _npu_rotate(backend, lay, cast_mode, out)
+    return _from_bsnd(lay, yq, q), _from_bsnd(lay, yk, k)
+
+
+def _npu_qk_supports(backend, q, k, qw, kw, cos, sin, mrope_section, q_eps, k_eps, unsqueeze_dim, cast_mode):
+    return _npu_rope_supports(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode)
+
+
+# No torch_npu op takes a per-head norm and the rotation together: npu_rms_norm (each head vector a row)
+# then the rope mapping above; in fp32 mode the normalised values stay fp32 into the rotation.
+@QK_NORM_ROPE.impl("npu", supports=_npu_qk_supports)
+def _(backend, q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps, unsqueeze_dim, cast_mode):
+    tnpu = backend.torch_npu()
+    D = q.shape[-1]
+
+    def norm(x, w, eps):
+        if cast_mode == "fp32":
+            y, _ = tnpu.npu_rms_norm(x.reshape(-1, D).float(), w.reshape(D).float(), epsilon=eps)
+        else:  # HF: x * r rounded to x's dtype before the weight
+            y, _ = tnpu.npu_rms_norm(x.reshape(-1, D), torch.ones(D, dtype=x.dtype, device=x.device), epsilon=eps)
+            y = w.reshape(D) * y
+        return y.reshape(x.shape)
+
+    qn, kn = norm(q, q_weight, q_eps), norm(k, k_weight, k_eps)
+    if mrope_section:
+        cos, sin = merge_sections(cos, mrope_section), merge_sections(sin, mrope_section)
+    lay = Layout(qn, kn, cos, sin, (), unsqueeze_dim)
+    out = [q.dtype, k.dtype] if cast_mode == "fp32" else [torch.promote_types(q.dtype, cos.dtype)] * 2
+    yq, yk = _npu_rotate(backend, lay, cast_mode, out)
+    return _from_bsnd(lay, yq, q), _from_bsnd(lay, yk, k)
+
+
+# ---- pypto: tokens x heads x D tiles --------------------------------------------------------------------
+# q and k as [T, H, D] (T = O*I tokens, BSND memory: a view for HF's layouts), cos/sin as [T, 1, E] per MRoPE
+# plane; the kernel merges the sections with views and a concat, and rotates with views, neg and concat.
+# A tile spans all heads of a token (PyPTO 0.2.0's compiled program disagrees with its own tensor graph
+# when a tile cuts the heads dim of these view/concat chains), and as many tokens as fit the UB.
+LIVE_FP32 = 6  # x, its rotation, two products, the sum, the pass-through concat
+
+
+def rope_tiles(T: int, H: int, D: int) -> Tiles:
+    cols = -(-D // 16) * 16
+    per_token = LIVE_FP32 * H * cols * 4
+    rows = 1
+    while rows * 2 * per_token <= UB_BYTES and rows < 8 and rows < T:
+        rows *= 2
+    return Tiles(rows, cols, heads=H)
+
+
+def rope_kernel(pypto):
+    from ..backends import pypto_lib as pl
+
+    def rope(q: pypto.Tensor(), k: pypto.Tensor(), c0: pypto.Tensor(), c1: pypto.Tensor(), c2: pypto.Tensor(),
+             s0: pypto.Tensor(), s1: pypto.Tensor(), s2: pypto.Tensor(), oq: pypto.Tensor(), ok: pypto.Tensor(),
+             hf, sec_t, sec_h, sec_w, rows, heads, cols):
+        pypto.set_vec_tile_shapes(rows, heads, cols)
+        cos = pl.merged_angles([c0, c1, c2], sec_t, sec_h, sec_w)
+        sin = pl.merged_angles([s0, s1, s2], sec_t, sec_h, sec_w)
+        yq = pl.rotate(pl.f32(q), cos, sin, oq.dtype, hf)
+        yk = pl.rotate(pl.f32(k), cos, sin, ok.dtype, hf)
+        oq[:] = yq
+        ok[:] = yk
+    return rope
+
+
+def qk_norm_rope_kernel(pypto):
+    from ..backends import pypto_lib as pl
+
+    def qk_norm_rope(q: pypto.Tensor(), k: pypto.Tensor(), gq: pypto.Tensor(), gk: pypto.Tensor(),
+                     c0: pypto.Tensor(), c1: pypto.Tensor(), c2: pypto.Tensor(), s0: pypto.Tensor(),
+                     s1: pypto.Tensor(), s2: pypto.Tensor(), oq: pypto.Tensor(), ok: pypto.Tensor(),
+                     hf, sec_t, sec_h, sec_w, q_eps, k_eps, inv_d, rows, heads, cols):
+        pypto.set_vec_tile_shapes(rows, heads, cols)
+        cos = pl.merged_angles([c0, c1, c2], sec_t, sec_h, sec_w)
+        sin = pl.merged_angles([s0, s1, s2], sec_t, sec_h, sec_w)
+        nq = pl.head_norm(q, gq, q_eps, inv_d, hf)
+        nk = pl.head_norm(k, gk, k_eps, inv_d, hf)
+        yq = pl.rotate(nq, cos, sin, oq.dtype, hf)
+        yk = pl.rotate(nk, cos, sin, ok.dtype, hf)
+        oq[:] = yq
+        ok[:] = yk
+    return qk_norm_rope
+
+
+def _pypto_inputs(lay, mrope_section):
+    """q, k as [T, H, D] and the six cos/sin planes as [T, 1, E] (the merged form's one plane three times),
+    plus the sections as the kernel reads them."""
+    T = lay.O * lay.I
+    x3 = [x4.permute(0, 2, 1, 3).reshape(T, x4.shape[1], lay.D).contiguous() for x4 in (lay.q, lay.k)]
+    planes = []
+    for t in (lay.cos, lay.sin):
+        t = t.expand(lay.P, lay.O, lay.I, lay.E) if lay.Oc == 1 else t
+        ps = [t[p].reshape(T, 1, lay.E).contiguous() for p in range(lay.P)]
+        planes += ps * (3 // len(ps))
+    sections = list(mrope_section) if mrope_section else [lay.E // 2, 0, 0]
+    return x3, planes, sections
+
+
+def _pypto_outputs(lay, outs):
+    """Kernel outputs [T, H, D] over the op's outputs when their memory is token-major (the golden's for HF's
+    layouts), else contiguous stand-ins copied back by `finish`."""
+    views = []
+    T = lay.O * lay.I
+    lay._pending = []
+    for t in outs:
+        H = t.numel() // (T * lay.D) if T * lay.D else 0
+        try:
+            view = t.view(lay.O, H, lay.I, lay.D).permute(0, 2, 1, 3).view(T, H, lay.D)
+        except RuntimeError:
+            view = None
+        if view is not None and view.is_contiguous():
+            views.append(view)
+        else:
+            stand_in = torch.empty(T, H, lay.D, dtype=t.dtype, device=t.device)
+            lay._pending.append((t, stand_in.view(lay.O, lay.I, H, lay.D).permute(0, 2, 1, 3)))
+            views.append(stand_in)
+    return views
+
+
+def _pypto_supports(backend, q, k, cos, *rest):
+    return backend.runs_on(q) or _angles_supported(cos)
+
+
+@ROPE.impl("pypto", supports=_pypto_supports)
+def _(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode):
+    oq, ok = ROPE.empty_outputs(q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode)
+    if q.numel() and k.numel():
+        lay = Layout(q, k, cos, sin, mrope_section, unsqueeze_dim)
+        x3, planes, sections = _pypto_inputs(lay, mrope_section)
+        backend.launch("rope", rope_kernel, x3[0], [*x3, *planes], _pypto_outputs(lay, (oq, ok)),
+                       [int(cast_mode == "hf"), *sections], tiles=rope_tiles(x3[0].shape[0], lay.Hq, lay.D))
+        lay.finish()
+    return oq, ok
+
+
+@QK_NORM_ROPE.impl("pypto", supports=lambda backend, q, k, qw, kw, cos, *rest: _pypto_supports(backend, q, k, cos))
+def _(backend, q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps, unsqueeze_dim, cast_mode):
+    oq, ok = QK_NORM_ROPE.empty_outputs(q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps,
+                                        unsqueeze_dim, cast_mode)
+    if q.numel() and k.numel():
+        lay = Layout(q, k, cos, sin, mrope_section, unsqueeze_dim)
+        x3, planes, sections = _pypto_inputs(lay, mrope_section)
+        D = lay.D
+        # [1, H, D]: PyPTO broadcasts one axis at a time (a [1, 1, D] weight over [T, H, D] is refused)
+        weights = [w.reshape(1, 1, D).expand(1, H, D).contiguous() for w, H in ((q_weight, lay.Hq), (k_weight, lay.Hk))]
+        backend.launch("qk_norm_rope", qk_norm_rope_kernel, x3[0], [*x3, *weights, *planes],
+                       _pypto_outputs(lay, (oq, ok)),
+                       [int(cast_mode == "hf"), *sections, float(q_eps), float(k_eps), 1.0 / D],
+                       tiles=rope_tiles(x3[0].shape[0], lay.Hq, D))
+        lay.finish()
+    return oq, ok

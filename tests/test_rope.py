@@ -1,0 +1,183 @@
+"""rope's and qk_norm_rope's goldens against independent evidence: a rotation worked by hand, the fp64
+rotation of each pair, HF's own functions and modules (of whichever transformers is installed: CI runs
+this module on 5.x and on 4.57, whose MRoPE function only the latter has), and the layouts HF hands over.
+
+Everything else about the ops (opcheck, refusals of wrong types, backward, compile, the cpu/pypto/npu
+backends against the golden on their examples, the case format) comes from the definitions through the
+parametrised suites.
+"""
+import importlib
+import math
+
+import pytest
+import torch
+
+from pypto_gym import ops
+from pypto_gym.ops import OPS
+
+from support import run_on
+
+qwen2_5_vl = importlib.import_module("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
+qwen3 = importlib.import_module("transformers.models.qwen3.modeling_qwen3")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def hf_text_inputs(dtype, B=2, S=7, H=16, Hk=2, D=128, seed=0):
+    """q, k as HF's text attention hands them over ([B, H, S, D] views of [B, S, H, D] projections) and
+    cos/sin as its rotary embedding makes them (cat of the frequencies twice, in the model dtype)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, H, D, generator=gen).to(dtype).transpose(1, 2)
+    k = torch.randn(B, S, Hk, D, generator=gen).to(dtype).transpose(1, 2)
+    angles = torch.rand(B, S, D // 2, generator=gen) * 50
+    emb = torch.cat((angles, angles), dim=-1)
+    return q, k, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def hf_vision_inputs(dtype, S=37, H=16, D=80, seed=0):
+    """q, k as the vision attention hands them over: strided views of one qkv projection; fp32 cos/sin."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, _ = torch.randn(S, 3 * H * D, generator=gen).to(dtype).reshape(S, 3, H, D).permute(1, 0, 2, 3).unbind(0)
+    angles = torch.rand(S, D // 2, generator=gen) * 50
+    emb = torch.cat((angles, angles), dim=-1)
+    return q, k, emb.cos(), emb.sin()
+
+
+def test_hand_worked_rotation():
+    """D = 4: the pairs (x0, x2) and (x1, x3) rotate by their own angles, (a, b) -> (a cos - b sin, b cos + a sin)."""
+    q = torch.tensor([[[[1.0, 2.0, 3.0, 4.0]]]])
+    t0, t1 = math.pi / 2, math.pi / 3
+    cos = torch.tensor([[[math.cos(t0), math.cos(t1), math.cos(t0), math.cos(t1)]]])
+    sin = torch.tensor([[[math.sin(t0), math.sin(t1), math.sin(t0), math.sin(t1)]]])
+    expected = [1 * 0 - 3 * 1, 2 * 0.5 - 4 * math.sqrt(3) / 2, 3 * 0 + 1 * 1, 4 * 0.5 + 2 * math.sqrt(3) / 2]
+    for mode in ("hf", "fp32"):
+        q_embed, k_embed = ops.rope(q, q, cos, sin, cast_mode=mode, backend="torch")
+        assert q_embed.flatten().tolist() == pytest.approx(expected, abs=1e-6)
+        assert torch.equal(q_embed, k_embed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp32_mode_is_the_fp64_rotation_rounded_once_per_step(dtype):
+    """Against the rotation in fp64: fp32 mode's error is a few fp32 ulps of the pair's magnitude, then one
+    rounding to the dtype; each pair keeps its length."""
+    q, k, cos, sin = hf_text_inputs(dtype)
+    q_embed, _ = ops.rope(q, k, cos, sin, cast_mode="fp32", backend="torch")
+    qd, c, s = q.double(), cos.double().unsqueeze(1), sin.double().unsqueeze(1)
+    h = q.shape[-1] // 2
+    x1, x2 = qd[..., :h], qd[..., h:]
+    exact = torch.cat((x1 * c[..., :h] - x2 * s[..., :h], x2 * c[..., h:] + x1 * s[..., h:]), dim=-1)
+    pair = (x1.square() + x2.square()).sqrt().repeat(1, 1, 1, 2)
+    err = (q_embed.double() - exact).abs() / pair
+    assert float(err.max()) <= torch.finfo(dtype).eps + 4 * torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_hf_mode_is_bit_identical_to_the_text_function(dtype):
+    q, k, cos, sin = hf_text_inputs(dtype)
+    expected = qwen3.apply_rotary_pos_emb(q, k, cos, sin)
+    for got in (ops.rope(q, k, cos, sin, backend="torch"), run_on("cpu", OPS["rope"], (q, k, cos, sin, [], 1, "hf"))):
+        assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(got, expected))
+    # an fp32 cos with a low-precision q: HF promotes, and so does the op
+    expected = qwen3.apply_rotary_pos_emb(q, k, cos.float(), sin.float())
+    got = run_on("cpu", OPS["rope"], (q, k, cos.float(), sin.float(), [], 1, "hf"))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)) and got[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp32_mode_is_bit_identical_to_the_vision_function(dtype):
+    q, k, cos, sin = hf_vision_inputs(dtype)
+    expected = qwen2_5_vl.apply_rotary_pos_emb_vision(q, k, cos, sin)
+    args = (q, k, cos, sin, [], -2, "fp32")
+    for got in (OPS["rope"].golden(*args), run_on("cpu", OPS["rope"], args)):
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    if dtype != torch.float32:  # the text rounding is not the vision one
+        assert not torch.equal(ops.rope(q, k, cos, sin, unsqueeze_dim=-2, backend="torch")[0], expected[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mrope_planes_give_what_each_transformers_version_computes(dtype):
+    """The (3, B, S, D) planes with mrope_section: 4.57's apply_multimodal_rotary_pos_emb where it exists, and
+    on every version the same as merging as 5.x's rotary embedding does and rotating the merged form."""
+    q, k, _, _ = hf_text_inputs(dtype)
+    gen = torch.Generator().manual_seed(3)
+    angles = torch.rand(3, 2, 7, 64, generator=gen) * 50
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    section = [16, 24, 24]
+    args = (q, k, cos, sin, section, 1, "hf")
+    got = [OPS["rope"].golden(*args), run_on("cpu", OPS["rope"], args)]
+    if hasattr(qwen2_5_vl, "apply_multimodal_rotary_pos_emb"):  # transformers 4.57
+        expected = qwen2_5_vl.apply_multimodal_rotary_pos_emb(q, k, cos, sin, section)
+    else:  # 5.x: Qwen2_5_VLRotaryEmbedding.recomposition_frequencies on the half-width frequencies
+        def recompose(freq):
+            freq = torch.cat([m[i % 3] for i, m in enumerate(freq.split(section, dim=-1))], dim=-1)
+            return torch.cat((freq, freq), dim=-1)
+
+        expected = qwen2_5_vl.apply_rotary_pos_emb(q, k, recompose(angles.cos().to(dtype)),
+                                                   recompose(angles.sin().to(dtype)))
+    for g in got:
+        assert all(torch.equal(a, b) for a, b in zip(g, expected))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_partial_rotary_rotates_the_first_dims_and_passes_the_rest(dtype):
+    q, k, cos, sin = hf_text_inputs(dtype, D=96)
+    cos, sin = cos[..., :64], sin[..., :64]
+    args = (q, k, cos, sin, [], 1, "hf")
+    for q_embed, k_embed in (OPS["rope"].golden(*args), run_on("cpu", OPS["rope"], args)):
+        assert torch.equal(q_embed[..., 64:], q[..., 64:]) and torch.equal(k_embed[..., 64:], k[..., 64:])
+        assert torch.equal(q_embed[..., :64], qwen3.apply_rotary_pos_emb(q[..., :64], k[..., :64], cos, sin)[0])
+
+
+def test_a_cos_shared_by_some_leading_dims_only_is_materialised_exactly():
+    """q [2, 3, H, S, D] with cos [3, S, D] (shared over the first dim only): no kernel reads that broadcast
+    directly, so the cpu backend copies cos out; the result is still the golden's."""
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 3, 4, 5, 32, generator=gen), torch.randn(2, 3, 2, 5, 32, generator=gen)
+    cos, sin = torch.randn(3, 5, 32, generator=gen), torch.randn(3, 5, 32, generator=gen)
+    args = (q, k, cos, sin, [], 1, "hf")
+    got = run_on("cpu", OPS["rope"], args)
+    assert all(torch.equal(a, b) for a, b in zip(got, OPS["rope"].golden(*args)))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda q, k, c: ops.rope(q, k, c[..., :63], c[..., :63]), r"cos: rotary dim E=63 .*expected an even E"),
+    (lambda q, k, c: ops.rope(q[..., :32], k[..., :32], c, c), "cos: rotary dim E=128 exceeds the head dim D=32"),
+    (lambda q, k, c: ops.rope(q, k, c, c, [16, 24, 24]), r"cos: shape \(2, 7, 128\); with mrope_section expected"),
+    (lambda q, k, c: ops.rope(q, k, c.expand(3, 2, 7, 128), c.expand(3, 2, 7, 128), [16, 24, 20]),
+     r"mrope_section: \[16, 24, 20\] sums to 60; expected E/2 = 64"),
+    (lambda q, k, c: ops.rope(q, k, c, c, unsqueeze_dim=4), r"unsqueeze_dim: got 4; expected a dim in \[-4, 3\]"),
+    (lambda q, k, c: ops.rope(q, k, c, c, unsqueeze_dim=2), r"q: shape \(2, 16, 7, 128\) does not broadcast"),
+    (lambda q, k, c: ops.rope(q, k[:1], c, c), r"k: shape \(1, 2, 7, 128\) does not broadcast"),
+    (lambda q, k, c: ops.rope(q, k, c, c, unsqueeze_dim=True), "unsqueeze_dim: expected an int, got bool"),
+])
+def test_layouts_hf_would_not_accept_are_refused_naming_the_argument(call, match):
+    q, k, cos, _ = hf_text_inputs(torch.float32)
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(q, k, cos)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_qk_norm_rope_is_qwen3s_norms_then_its_rotation(dtype):
+    """hf mode against a real Qwen3 attention's own q_norm/k_norm, transpose and apply_rotary_pos_emb."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6)
+    attn = qwen3.Qwen3Attention(config, layer_idx=0).to(dtype)
+    with torch.no_grad():
+        for norm in (attn.q_norm, attn.k_norm):
+            norm.weight.copy_(1 + 0.1 * torch.randn(32))
+    gen = torch.Generator().manual_seed(7)
+    q_proj, k_proj = torch.randn(2, 5, 4, 32, generator=gen).to(dtype), torch.randn(2, 5, 2, 32, generator=gen).to(dtype)
+    cos, sin = hf_text_inputs(dtype, S=5, D=32)[2:]
+    with torch.no_grad():
+        expected = qwen3.apply_rotary_pos_emb(attn.q_norm(q_proj).transpose(1, 2), attn.k_norm(k_proj).transpose(1, 2),
+                                              cos, sin)
+    args = (q_proj.transpose(1, 2), k_proj.transpose(1, 2), attn.q_norm.weight.detach(), attn.k_norm.weight.detach(),
+            cos, sin, [], 1e-6, 1e-6, 1, "hf")
+    assert all(torch.equal(a, b) for a, b in zip(OPS["qk_norm_rope"].golden(*args), expected))
+    fp32 = ops.qk_norm_rope(*args[:9], unsqueeze_dim=1, cast_mode="fp32", backend="torch")
+    exact_norm = [x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+                  for x, w in ((args[0], args[2]), (args[1], args[3]))]
+    exact = OPS["rope"].golden(*exact_norm, cos.double(), sin.double())
+    for got, want in zip(fp32, exact):  # one rounding of the fp64 value, plus fp32 steps
+        assert float((got.double() - want).abs().max()) <= 2 * torch.finfo(dtype).eps * float(want.abs().max())
