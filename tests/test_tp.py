@@ -1,6 +1,6 @@
 """A patched model under transformers' tensor parallelism (torchrun, 2 processes, gloo on CPU).
 
-Every rank patches every norm site, nothing falls back, and the logits equal the unpatched TP
+Every rank patches every site (norms, MLPs, rotary embeddings on its shard of the heads), nothing falls back, and the logits equal the unpatched TP
 model's: bit for bit on the torch backend, within the cpu kernel's rounding on the cpu backend.
 """
 import json
@@ -40,6 +40,7 @@ def test_tensor_parallel_logits_unchanged_by_patching(kind, backend, qwen3_dir, 
         assert r["world"] == 2 and r["sharded"]  # really tensor-parallel
         assert r["patched"] == r["candidates"] > 0 and not r["fallbacks"]
         assert set(r["ran_on"]) == {backend}
+        assert r["rope_calls"] and all(n > 0 for n in r["rope_calls"])  # text only: each rank rotates its heads
         if backend == "torch":
             assert r["equal"]
         else:

@@ -334,8 +334,8 @@ class BoundCall:
         for i, v in zip(self._slots, free):
             args[i] = v
         args = tuple(args)
-        key = (_is_grad_enabled(), *[None if t is None else (type(t), t.dtype, t.shape, t.device, t.requires_grad)
-                                     for t in free])
+        key = (_is_grad_enabled(), *[(type(t), t.dtype, t.shape, t.device, t.requires_grad)
+                                     if isinstance(t, torch.Tensor) else t for t in free])
         if key == self._key and not _is_compiling():
             return dispatch.call(self.op, self.backend, self.stats, args)
         out = self.op.call(args, self.backend, self.stats)

@@ -1,8 +1,9 @@
-"""Patch a loaded model: site rules (norm.py; the fused MLP and rotary embedding rules), layer rewrites
-(residual.py), exact unpatch (api.py), the report (report.py). Importing it registers the rules."""
+"""Patch a loaded model: site rules (norm.py, mlp.py, rope.py), layer rewrites (rewrite.py: residual.py and
+the rotary rule use it), exact unpatch (api.py), the report (report.py). Importing it registers the rules."""
 from ..config import is_enabled, set_enabled
 from . import norm  # noqa: F401, I001  (registers the rule; rules apply in import order)
 from . import mlp  # noqa: F401
+from . import rope  # noqa: F401
 from .api import NoSitesError, PatchError, patch_model, patch_report, patched, unpatch_model
 from .options import PatchConfig, register_quant_mode
 

@@ -93,13 +93,14 @@ class NormSite(Site):
         self.call = RMS_NORM.bind(options.backend, self.stats, eps=self.eps, cast_mode=options.cast_mode)
         self.add_call = ADD_RMS_NORM.bind(options.backend, self.stats, eps=self.eps, cast_mode=options.cast_mode)
         self.fused = False
+        self.fused_into = None  # "qk_norm_rope at <attention path>": the rotary site normalises for this norm
         self.bypassed: dict[str, int] = {}  # fused calls that ran unfused, by reason
         self.quant = None  # W8A8 (pypto_gym.quant): the norm emits int8 rows for the linears after it
 
     def details(self) -> dict:
         w = self.module.weight
         return {"D": int(w.shape[0]), "eps": self.eps, "dtype": dtype_name(w.dtype), "device": str(w.device),
-                "fused_residual": self.fused, "fusion_bypassed": dict(self.bypassed),
+                "fused_residual": self.fused, "fused_into": self.fused_into, "fusion_bypassed": dict(self.bypassed),
                 "quant": None if self.quant is None else self.quant.row()}
 
 

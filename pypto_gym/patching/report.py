@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 
-SITE_NAMES = {"rms_norm": "norm", "swiglu": "mlp"}  # how the summary line names an op's sites
+SITE_NAMES = {"rms_norm": "norm", "swiglu": "mlp", "rope": "rope", "qk_norm_rope": "qk-norm+rope"}  # how the summary line names an op's sites
 
 
 class PatchReport:
@@ -67,6 +67,10 @@ class PatchReport:
             notes = [r["reason"]] if r["reason"] else [f"{k} x{v}" for k, v in r.get("fallbacks", {}).items()]
             for why, n in r.get("fusion_bypassed", {}).items():
                 notes.append(f"fusion bypassed x{n} ({why})")
+            if r.get("fused_into"):
+                notes.append(f"fused into {r['fused_into']}")
+            if (r.get("rotary") or {}).get("rejected"):
+                notes.append(f"rewrite rejected: {r['rotary']['rejected']}")
             if r.get("quant"):
                 q = r["quant"]
                 notes.append(f"int8 rows to {len(q['int8_to'])} linears{' (smoothed)' if q['smoothed'] else ''}")
