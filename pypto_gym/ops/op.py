@@ -313,10 +313,11 @@ class BoundCall:
     """An op bound to one patch site: its backend, counters and constant arguments (eps, cast mode), validated
     once, as HF kernels decide at kernelize time. A patched module calls it hundreds of times a token with
     the remaining arguments: a call of the same kind as the last one goes straight to dispatch; any other
-    call takes the op's entry path, with its validation and error messages.
+    call takes the op's entry path, with its validation and error messages. The check of "same kind" is
+    written out per op and set of bound arguments (`_fast_path`): it is most of what a decode call costs.
     """
 
-    __slots__ = ("op", "backend", "stats", "constants", "_slots", "_template", "_key")
+    __slots__ = ("op", "backend", "stats", "constants", "_template", "_key", "_fast")
 
     def __init__(self, op: Op, backend: str, stats, constants: dict):
         unknown = set(constants) - set(op.arg)
@@ -325,20 +326,63 @@ class BoundCall:
         for name, value in constants.items():
             op.arg[name].check(value, Context())
         self.op, self.backend, self.stats, self.constants = op, registry.check_name(backend), stats, dict(constants)
-        self._template = [constants.get(a.name, a.default) for a in op.args]
-        self._slots = [i for i, a in enumerate(op.args) if a.name not in constants]
+        self._template = tuple(constants.get(a.name, a.default) for a in op.args)
         self._key = None
+        self._fast = _fast_path(op, tuple(a.name in constants for a in op.args))
+
+    def __reduce__(self):
+        return BoundCall, (self.op, self.backend, self.stats, self.constants)
 
     def __call__(self, *free):
-        args = self._template.copy()
-        for i, v in zip(self._slots, free):
-            args[i] = v
-        args = tuple(args)
-        key = (_is_grad_enabled(), *[(type(t), t.dtype, t.shape, t.device, t.requires_grad)
-                                     if isinstance(t, torch.Tensor) else t for t in free])
-        if key == self._key and not _is_compiling():
-            return dispatch.call(self.op, self.backend, self.stats, args)
+        return self._fast(self, free)
+
+    def slow(self, key, args):
+        """A call of another kind than the last: the entry path (validation), remembered if it may go eager."""
         out = self.op.call(args, self.backend, self.stats)
         if self.op._last[0] is not None and self.op._last[1]:  # validated and eager: the same kind goes straight on
             self._key = key
         return out
+
+
+_FAST_PATHS: dict = {}
+
+
+def _fast_path(op: Op, bound: tuple):
+    """`fast(bound_call, free) -> outputs` for calls of `op` with the arguments flagged in `bound` fixed: the
+    kind of call (grad mode; each tensor's type, dtype, shape, device, requires_grad; other values) compared
+    with the last one's, then straight to dispatch or the slow path. Generated once per op and flags."""
+    cache_key = (op.name, bound)
+    if cache_key in _FAST_PATHS:
+        return _FAST_PATHS[cache_key]
+    free = [i for i, b in enumerate(bound) if not b]
+    names = [f"a{i}" for i in free]
+    kind = []
+    for i in free:
+        a = op.args[i]
+        if isinstance(a, Tensor) and not a.optional:
+            kind.append(f"type(a{i}), a{i}.dtype, a{i}.shape, a{i}.device, a{i}.requires_grad")
+        elif isinstance(a, Tensor):
+            kind.append(f"_sig(a{i})")
+        else:
+            kind.append(f"a{i}")
+    args = ", ".join(f"a{i}" if not b else f"t[{i}]" for i, b in enumerate(bound))
+    unpack = ", ".join(names) + ("," if len(names) == 1 else "")
+    source = (f"def fast(b, free):\n"
+              f"    {unpack} = free\n"
+              f"    t = b._template\n"
+              f"    args = ({args}{',' if len(bound) == 1 else ''})\n"
+              f"    try:\n"
+              f"        key = (_grad(), {', '.join(kind)})\n"
+              f"    except AttributeError:  # not a tensor where one belongs: the entry path says which\n"
+              f"        return b.slow(None, args)\n"
+              f"    if key == b._key and not _compiling():\n"
+              f"        return _dispatch(b.op, b.backend, b.stats, args)\n"
+              f"    return b.slow(key, args)\n")
+    namespace = {"_grad": _is_grad_enabled, "_compiling": _is_compiling, "_dispatch": dispatch.call, "_sig": _sig}
+    exec(compile(source, f"<pypto_gym bound {op.name}>", "exec"), namespace)  # noqa: S102 - our own text
+    _FAST_PATHS[cache_key] = namespace["fast"]
+    return namespace["fast"]
+
+
+def _sig(t):
+    return None if t is None else (type(t), t.dtype, t.shape, t.device, t.requires_grad)

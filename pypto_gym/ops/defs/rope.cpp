@@ -1,7 +1,8 @@
 // rope and qk_norm_rope (defs/rope.py): q and k rotated in one pass, position by position.
 //
-// Python hands over q, k and the outputs as [O, H, I, D] views (any strides, last dim contiguous) and
-// cos/sin as [P, Oc, I, E] (P = 3 MRoPE planes, or 1). For each position (o, i) the cos/sin row is
+// q, k and the outputs are read as [O, H, I, D] (any strides, last dim contiguous) and cos/sin as
+// [P, Oc, I, E] (P = 3 MRoPE planes, or 1), by the strides Python's Layout computes once per kind of
+// call (Geometry): the tensors are read where they are, no view made per call. For each position (o, i) the cos/sin row is
 // gathered once (MRoPE: column chunk c of the section list, repeated for both halves, from plane c % 3)
 // into fp32, then every head of q and of k is rotated with it while it is in L1. The math is the golden's,
 // operation by operation: hf rounds each product and the sum to the output dtype (HF's text function),
@@ -42,27 +43,42 @@ void rotate_head(const typename X::T* x, const float* c, const float* s, typenam
   for (int64_t t = E; t < D; ++t) y[t] = O::store(X::load(x[t]));
 }
 
-// One [O, H, I, D] tensor's element pointers.
+// The layout, as Python's Layout.geometry writes it: O, I, D, E, P, Oc; then H and the (o, h, i) strides
+// of q, k and the two outputs; then the (plane, o, i) strides of cos and sin. D and E are contiguous.
+struct Geometry {
+  const int64_t* g;
+  explicit Geometry(const at::Tensor& t) : g(t.data_ptr<int64_t>()) {
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.numel() == 28, "rope: geometry of 28 int64 expected");
+  }
+  int64_t O() const { return g[0]; }
+  int64_t I() const { return g[1]; }
+  int64_t D() const { return g[2]; }
+  int64_t E() const { return g[3]; }
+  int64_t P() const { return g[4]; }
+  int64_t Oc() const { return g[5]; }
+  const int64_t* heads(int which) const { return g + 6 + 4 * which; }  // q, k, out_q, out_k
+  const int64_t* angles(int which) const { return g + 22 + 3 * which; }  // cos, sin
+};
+
+// One [O, H, I, D] tensor's rows.
 struct Heads {
   char* base;
-  int64_t s0, s1, s2, H, itemsize;
-  explicit Heads(const at::Tensor& t)
-      : base((char*)t.data_ptr()), s0(t.stride(0)), s1(t.stride(1)), s2(t.stride(2)), H(t.size(1)),
-        itemsize(t.element_size()) {
-    TORCH_CHECK(t.dim() == 4 && (t.size(3) <= 1 || t.stride(3) == 1), "rope: [O, H, I, D] with contiguous D expected");
-  }
+  int64_t H, so, sh, si, itemsize;
+  Heads(const at::Tensor& t, const int64_t* g)
+      : base((char*)t.data_ptr()), H(g[0]), so(g[1]), sh(g[2]), si(g[3]), itemsize(t.element_size()) {}
   template <class T>
   T* at(int64_t o, int64_t h, int64_t i) const {
-    return reinterpret_cast<T*>(base + (o * s0 + h * s1 + i * s2) * itemsize);
+    return reinterpret_cast<T*>(base + (o * so + h * sh + i * si) * itemsize);
   }
 };
 
 // The cos (or sin) row of one position, merged from its planes into fp32.
 struct Angles {
-  const at::Tensor& t;  // [P, Oc, I, E]
+  const at::Tensor& t;
+  int64_t sp, so, si, Oc;
   std::vector<int64_t> chunk_plane, chunk_end;
-  Angles(const at::Tensor& t_, const std::vector<int64_t>& sections) : t(t_) {
-    const int64_t E = t.size(3);
+  Angles(const at::Tensor& t_, const int64_t* g, int64_t Oc_, int64_t E, const std::vector<int64_t>& sections)
+      : t(t_), sp(g[0]), so(g[1]), si(g[2]), Oc(Oc_) {
     if (sections.empty()) {
       chunk_plane = {0}, chunk_end = {E};
       return;
@@ -74,14 +90,14 @@ struct Angles {
     }
   }
   void row(int64_t o, int64_t i, float* out) const {
-    const int64_t oc = t.size(1) == 1 ? 0 : o;
+    const int64_t oc = Oc == 1 ? 0 : o;
     dispatch_dtype(t.scalar_type(), [&](auto ct) {
       using C = decltype(ct);
       using T = typename C::T;
       const T* base = reinterpret_cast<const T*>(t.data_ptr());
       int64_t j = 0;
       for (size_t c = 0; c < chunk_end.size(); ++c) {
-        const T* r = base + chunk_plane[c] * t.stride(0) + oc * t.stride(1) + i * t.stride(2);
+        const T* r = base + chunk_plane[c] * sp + oc * so + i * si;
         for (; j < chunk_end[c]; ++j) out[j] = C::load(r[j]);
       }
     });
@@ -92,11 +108,12 @@ struct Angles {
 // position, the position's cos/sin rows merged into fp32 (scratch: D floats); positions are split
 // across threads.
 template <class F>
-void each_head(const at::Tensor& q, const at::Tensor& k, const at::Tensor& oq, const at::Tensor& ok,
-               const at::Tensor& cos, const at::Tensor& sin, const std::vector<int64_t>& sections, F&& f) {
-  const Heads hq(q), hk(k), hoq(oq), hok(ok);
-  const Angles ac(cos, sections), as(sin, sections);
-  const int64_t O = q.size(0), I = q.size(2), D = q.size(3), E = cos.size(3);
+void each_head(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
+               const at::Tensor& oq, const at::Tensor& ok, const Geometry& geo, const std::vector<int64_t>& sections,
+               F&& f) {
+  const Heads hq(q, geo.heads(0)), hk(k, geo.heads(1)), hoq(oq, geo.heads(2)), hok(ok, geo.heads(3));
+  const int64_t O = geo.O(), I = geo.I(), D = geo.D(), E = geo.E();
+  const Angles ac(cos, geo.angles(0), geo.Oc(), E, sections), as(sin, geo.angles(1), geo.Oc(), E, sections);
   const int64_t work = (hq.H + hk.H) * D;
   at::parallel_for(0, O * I, std::max<int64_t>(1, 32768 / std::max<int64_t>(work, 1)), [&](int64_t b, int64_t e) {
     std::vector<float> buf(2 * E + D);
@@ -111,25 +128,33 @@ void each_head(const at::Tensor& q, const at::Tensor& k, const at::Tensor& oq, c
   });
 }
 
-void check_outputs(const at::Tensor& q, const at::Tensor& oq, const at::Tensor& ok) {
-  TORCH_CHECK(oq.scalar_type() == ok.scalar_type(), "rope: q and k outputs must share a dtype");
-  TORCH_CHECK(oq.scalar_type() == q.scalar_type() || oq.scalar_type() == at::kFloat,
-              "rope: outputs in q's dtype or float32");
+// The outputs: those given (views a Layout made), else new tensors laid out like q and k (rope.like).
+std::tuple<at::Tensor, at::Tensor> outputs(const at::Tensor& q, const at::Tensor& k, at::ScalarType dq,
+                                           at::ScalarType dk, const c10::optional<at::Tensor>& oq,
+                                           const c10::optional<at::Tensor>& ok) {
+  at::Tensor a = oq.has_value() ? *oq : at::empty_like(q, q.options().dtype(dq));
+  at::Tensor b = ok.has_value() ? *ok : at::empty_like(k, k.options().dtype(dk));
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() && (a.scalar_type() == q.scalar_type() || a.scalar_type() == at::kFloat),
+              "rope: outputs share one dtype, q's or float32");
+  return {a, b};
 }
 
-// Writes oq, ok (views of the op's outputs).
-void rope_entry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
-                const at::Tensor& oq, const at::Tensor& ok, const std::vector<int64_t>& sections, int64_t mode) {
-  check_outputs(q, oq, ok);
-  if (q.numel() + k.numel() == 0) return;
-  const int64_t E = cos.size(3), D = q.size(3);
-  const bool to_float = oq.scalar_type() == at::kFloat;
+std::tuple<at::Tensor, at::Tensor> rope_entry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                              const at::Tensor& sin, const at::Tensor& geometry,
+                                              const std::vector<int64_t>& sections, int64_t mode, at::ScalarType dq,
+                                              at::ScalarType dk, const c10::optional<at::Tensor>& out_q,
+                                              const c10::optional<at::Tensor>& out_k) {
+  auto [oq, ok] = outputs(q, k, dq, dk, out_q, out_k);
+  if (q.numel() == 0 || k.numel() == 0) return {oq, ok};
+  const Geometry geo(geometry);
+  const int64_t E = geo.E(), D = geo.D();
+  const bool to_float = oq.scalar_type() == at::kFloat && q.scalar_type() != at::kFloat;
   dispatch_dtype(q.scalar_type(), [&](auto xt) {
     using X = decltype(xt);
     using T = typename X::T;
     auto run = [&](auto ot, auto hf) {
       using O = decltype(ot);
-      each_head(q, k, oq, ok, cos, sin, sections,
+      each_head(q, k, cos, sin, oq, ok, geo, sections,
                 [&](const Heads& in, const Heads& out, int64_t o, int64_t h, int64_t i, const float* c, const float* s,
                     bool, float*) {
                   rotate_head<X, O, decltype(hf)::value>(in.at<T>(o, h, i), c, s, out.at<typename O::T>(o, h, i), E, D);
@@ -142,19 +167,23 @@ void rope_entry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
     else
       run(X{}, std::false_type{});
   });
+  return {oq, ok};
 }
 
 // qk_norm_rope: the head vector normalised into fp32 (hf: rounded to x's dtype after x*r and after the
 // weight, as HF's RMSNorm), then rotated from there.
-void qk_norm_rope_entry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& qw, const at::Tensor& kw,
-                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& oq, const at::Tensor& ok,
-                        const std::vector<int64_t>& sections, double q_eps, double k_eps, int64_t mode) {
-  check_outputs(q, oq, ok);
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope_entry(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& geometry,
+    const std::vector<int64_t>& sections, int64_t mode, at::ScalarType dq, at::ScalarType dk, const at::Tensor& qw,
+    const at::Tensor& kw, double q_eps, double k_eps, const c10::optional<at::Tensor>& out_q,
+    const c10::optional<at::Tensor>& out_k) {
+  auto [oq, ok] = outputs(q, k, dq, dk, out_q, out_k);
   TORCH_CHECK(qw.scalar_type() == q.scalar_type() && kw.scalar_type() == q.scalar_type() && qw.is_contiguous() &&
                   kw.is_contiguous(), "qk_norm_rope: contiguous weights in q's dtype expected");
-  if (q.numel() + k.numel() == 0) return;
-  const int64_t E = cos.size(3), D = q.size(3);
-  const bool to_float = oq.scalar_type() == at::kFloat;
+  if (q.numel() == 0 || k.numel() == 0) return {oq, ok};
+  const Geometry geo(geometry);
+  const int64_t E = geo.E(), D = geo.D();
+  const bool to_float = oq.scalar_type() == at::kFloat && q.scalar_type() != at::kFloat;
   const bool hf = mode == HF;
   dispatch_dtype(q.scalar_type(), [&](auto xt) {
     using X = decltype(xt);
@@ -163,7 +192,7 @@ void qk_norm_rope_entry(const at::Tensor& q, const at::Tensor& k, const at::Tens
     const T* gk = reinterpret_cast<const T*>(kw.data_ptr());
     auto run = [&](auto ot, auto hfc) {
       using O = decltype(ot);
-      each_head(q, k, oq, ok, cos, sin, sections,
+      each_head(q, k, cos, sin, oq, ok, geo, sections,
                 [&](const Heads& in, const Heads& out, int64_t o, int64_t h, int64_t i, const float* c, const float* s,
                     bool is_q, float* n) {
                   const T* g = is_q ? gq : gk;
@@ -189,12 +218,15 @@ void qk_norm_rope_entry(const at::Tensor& q, const at::Tensor& k, const at::Tens
     else
       run(X{}, std::false_type{});
   });
+  return {oq, ok};
 }
 
 }  // namespace
 
 PG_KERNELS(rope) {
-  m.def("rope", &rope_entry, "rope(q4, k4, cos4, sin4, out_q4, out_k4, sections, mode): writes the outputs");
+  m.def("rope", &rope_entry, "rope(q, k, cos, sin, geometry, sections, mode, dtype_q, dtype_k, out_q, out_k) -> "
+        "(q_embed, k_embed): into out_q/out_k, or new tensors laid out like q and k when they are None");
   m.def("qk_norm_rope", &qk_norm_rope_entry,
-        "qk_norm_rope(q4, k4, q_weight, k_weight, cos4, sin4, out_q4, out_k4, sections, q_eps, k_eps, mode)");
+        "qk_norm_rope(q, k, cos, sin, geometry, sections, mode, dtype_q, dtype_k, q_weight, k_weight, q_eps, k_eps, "
+        "out_q, out_k) -> (q_embed, k_embed)");
 }

@@ -65,8 +65,16 @@ def rope(q, k, cos, sin, mrope_section=(), unsqueeze_dim=1, cast_mode="hf"):
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     if cast_mode == "fp32":
         cos, sin = cos.float(), sin.float()
-        return _embed(q.float(), cos, sin).to(q.dtype), _embed(k.float(), cos, sin).to(k.dtype)
-    return _embed(q, cos, sin), _embed(k, cos, sin)
+        return like(q, _embed(q.float(), cos, sin).to(q.dtype)), like(k, _embed(k.float(), cos, sin).to(k.dtype))
+    return like(q, _embed(q, cos, sin)), like(k, _embed(k, cos, sin))
+
+
+def like(x, y):
+    """y laid out as torch.empty_like(x): x's strides when x is dense (HF's [B, H, S, D] views of [B, S, H, D]
+    projections), else contiguous. The layout every backend gives (so the custom op's fake kernel, this
+    golden, tells torch.compile the truth); for HF's layouts it is the one HF's own functions return."""
+    out = torch.empty_like(x, dtype=y.dtype)
+    return out.copy_(y) if out.stride() != y.stride() else y
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, mrope_section=(), q_eps=1e-6, k_eps=1e-6, unsqueeze_dim=1,
@@ -76,9 +84,10 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, mrope_section=(), q_eps=1e-
     if cast_mode == "fp32":
         qn, kn = _norm_f32(q, q_weight, q_eps), _norm_f32(k, k_weight, k_eps)
         qe, ke = rope(qn, kn, cos, sin, mrope_section, unsqueeze_dim=unsqueeze_dim, cast_mode="fp32")
-        return qe.to(q.dtype), ke.to(k.dtype)
-    return rope(rms_norm(q, q_weight, q_eps, "hf"), rms_norm(k, k_weight, k_eps, "hf"), cos, sin, mrope_section,
-                unsqueeze_dim=unsqueeze_dim, cast_mode="hf")
+        return like(q, qe.to(q.dtype)), like(k, ke.to(k.dtype))
+    qe, ke = rope(rms_norm(q, q_weight, q_eps, "hf"), rms_norm(k, k_weight, k_eps, "hf"), cos, sin, mrope_section,
+                  unsqueeze_dim=unsqueeze_dim, cast_mode="hf")
+    return like(q, qe), like(k, ke)
 
 
 def _norm_f32(x, gamma, eps):
@@ -196,20 +205,20 @@ OPS_BY_GRAD = {ROPE_NAMES: ROPE, QK_NAMES: QK_NORM_ROPE}
 
 # ---- the canonical layout every kernel sees --------------------------------------------------------------
 def _as4(x, n, u):
-    """x as [O, H, I, D]: O the dims before the heads dim, I those between it and D (a view where possible)."""
+    """(x as [O, H, I, D], whether that is a view): O the dims before the heads dim, I those between it and D."""
     a = u + x.dim() - n
     shape = (math.prod(x.shape[:a]), x.shape[a], math.prod(x.shape[a + 1:-1]), x.shape[-1])
     try:
-        return x.view(shape)
+        return x.view(shape), True
     except RuntimeError:
-        return x.reshape(shape)
+        return x.reshape(shape), False
 
 
 class Layout:
     """One call in the layout every kernel reads: q and k as [O, H, I, D] (views for every layout HF hands
     over) and cos/sin as [P, Oc, I, E], P = 3 MRoPE planes or 1, Oc = O, or 1 when cos is shared across
-    the leading dims (batch 1, or HF's vision [S, D]). A broadcast no kernel reads directly (cos shared
-    over some leading dims only) is materialised: cos and sin are copied, never q or k."""
+    the leading dims (batch 1, or HF's vision [S, D]). What no kernel reads directly is copied into that
+    layout (`copied` says so): a q or k no view reaches, a cos shared over some leading dims only."""
 
     def __init__(self, q, k, cos, sin, mrope_section, unsqueeze_dim):
         merged = _merged_shape(cos, mrope_section)
@@ -217,7 +226,8 @@ class Layout:
         u = unsqueeze_dim % n
         self.n, self.u = n, u
         self.P = 3 if mrope_section else 1
-        self.q, self.k = _as4(q, n, u), _as4(k, n, u)
+        (self.q, q_view), (self.k, k_view) = _as4(q, n, u), _as4(k, n, u)
+        self.copied = not (q_view and k_view)
         self.O, self.Hq, self.I, self.D = self.q.shape
         self.Hk = self.k.shape[1]
         a = u + q.dim() - n  # q's heads dim
@@ -229,32 +239,73 @@ class Layout:
         elif inner == q_inner and outer == q_outer:
             self.Oc = self.O
         else:
-            self.Oc = self.O
+            self.Oc, self.copied = self.O, True
             full = (self.P, *q_outer, *q_inner, E)
             cos, sin = (t.reshape(self.P, *[1] * (a - u), *merged).expand(full).contiguous() for t in (cos, sin))
         self.cos = cos.reshape(self.P, self.Oc, self.I, E)
         self.sin = sin.reshape(self.P, self.Oc, self.I, E)
-
-    def out4(self, t):
-        """An output (shaped like q or k, in the golden's strides) as the same [O, H, I, D] view."""
-        return _as4(t, self.n, self.u)
+        self._pending = []
 
     def targets(self, oq, ok):
-        """[O, H, I, D] views of the outputs for a kernel to write (the golden's layouts always allow one; an
-        output that does not gets a contiguous stand-in, copied back by `finish`)."""
-        self._pending, views = [], []
-        for t, H in ((oq, self.Hq), (ok, self.Hk)):
-            shape = (self.O, H, self.I, t.shape[-1])
-            try:
-                views.append(t.view(shape))
-            except RuntimeError:
-                views.append(torch.empty(shape, dtype=t.dtype, device=t.device))
-                self._pending.append((t, views[-1]))
+        """[O, H, I, D] views of the outputs for a kernel to write (an output no view reaches gets a stand-in,
+        copied back by `finish`)."""
+        views = []
+        for t in (oq, ok):
+            view, ok_ = _as4(t, self.n, self.u)
+            if not ok_:
+                view = torch.empty(view.shape, dtype=t.dtype, device=t.device)
+                self._pending.append((t, view))
+            views.append(view)
         return views
 
     def finish(self) -> None:
         for t, v in self._pending:
             t.copy_(v.reshape(t.shape))
+
+    def geometry(self, oq4, ok4) -> torch.Tensor:
+        """The integers the C++ kernels read the layout from (rope.cpp's Geometry)."""
+        g = [self.O, self.I, self.D, self.E, self.P, self.Oc]
+        for t in (self.q, self.k, oq4, ok4):
+            g += [t.shape[1], t.stride(0), t.stride(1), t.stride(2)]
+        for t in (self.cos, self.sin):
+            g += [t.stride(0), t.stride(1), t.stride(2)]
+        return torch.tensor(g, dtype=torch.int64)
+
+
+def out_dtypes(q, k, cos, cast_mode):
+    """The outputs' dtypes: HF's promotion of q (k) and cos in hf mode, q's (k's) own in fp32 mode."""
+    if cast_mode == "fp32":
+        return q.dtype, k.dtype
+    return torch.promote_types(q.dtype, cos.dtype), torch.promote_types(k.dtype, cos.dtype)
+
+
+_plans: dict = {}  # kind of call -> (output dtypes, the kernels' geometry or None where the layout needs copies)
+
+
+def _cpu_call(entry, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode, *extra):
+    """Run a C++ rope kernel: outputs made like q and k (rope.like) by the kernel, the layout read from the
+    per-signature plan, the tensors where they are; a layout that needs copies goes through a Layout."""
+    key = (q.shape, q.stride(), k.shape, k.stride(), cos.shape, cos.stride(), sin.stride(), q.dtype, cos.dtype,
+           tuple(mrope_section), unsqueeze_dim, cast_mode)
+    plan = _plans.get(key)
+    if plan is None:
+        dq, dk = out_dtypes(q, k, cos, cast_mode)
+        meta = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in (q, k, cos, sin)]
+        lay = Layout(*meta, mrope_section, unsqueeze_dim)
+        targets = lay.targets(torch.empty_like(meta[0], dtype=dq), torch.empty_like(meta[1], dtype=dk))
+        if len(_plans) > 256:
+            _plans.clear()
+        plan = _plans[key] = (dq, dk, None if lay.copied or lay._pending else lay.geometry(*targets))
+    dq, dk, geometry = plan
+    sections, mode = list(mrope_section), MODES[cast_mode]
+    if geometry is not None:
+        return entry(q, k, cos, sin, geometry, sections, mode, dq, dk, *extra, None, None)
+    oq, ok = torch.empty_like(q, dtype=dq), torch.empty_like(k, dtype=dk)
+    lay = Layout(q, k, cos, sin, mrope_section, unsqueeze_dim)
+    oq4, ok4 = lay.targets(oq, ok)
+    entry(lay.q, lay.k, lay.cos, lay.sin, lay.geometry(oq4, ok4), sections, mode, dq, dk, *extra, oq4, ok4)
+    lay.finish()
+    return oq, ok
 
 
 def _angles_supported(cos):
@@ -262,27 +313,22 @@ def _angles_supported(cos):
     return None if cos.dtype in FLOAT_DTYPES else f"cos dtype {dtype_name(cos.dtype)} not supported"
 
 
+def _outputs(q, k, cos, cast_mode):
+    dq, dk = out_dtypes(q, k, cos, cast_mode)
+    return torch.empty_like(q, dtype=dq), torch.empty_like(k, dtype=dk)
+
+
 # ---- cpu: fused C++ (rope.cpp) ---------------------------------------------------------------------------
 @ROPE.impl("cpu", supports=lambda backend, q, k, cos, *rest: _angles_supported(cos))
 def _(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode):
-    oq, ok = ROPE.empty_outputs(q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode)
-    lay = Layout(q, k, cos, sin, mrope_section, unsqueeze_dim)
-    backend.ext.rope(lay.q, lay.k, lay.cos, lay.sin, *lay.targets(oq, ok), list(mrope_section), MODES[cast_mode])
-    lay.finish()
-    return oq, ok
+    return _cpu_call(backend.ext.rope, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode)
 
 
 @QK_NORM_ROPE.impl("cpu", supports=lambda backend, q, k, qw, kw, cos, *rest: _angles_supported(cos))
 def _(backend, q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps, unsqueeze_dim, cast_mode):
-    oq, ok = QK_NORM_ROPE.empty_outputs(q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps,
-                                        unsqueeze_dim, cast_mode)
-    lay = Layout(q, k, cos, sin, mrope_section, unsqueeze_dim)
     D = q.shape[-1]
-    backend.ext.qk_norm_rope(lay.q, lay.k, q_weight.reshape(D).contiguous(), k_weight.reshape(D).contiguous(),
-                             lay.cos, lay.sin, *lay.targets(oq, ok), list(mrope_section), float(q_eps), float(k_eps),
-                             MODES[cast_mode])
-    lay.finish()
-    return oq, ok
+    return _cpu_call(backend.ext.qk_norm_rope, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode,
+                     q_weight.reshape(D).contiguous(), k_weight.reshape(D).contiguous(), float(q_eps), float(k_eps))
 
 
 # ---- npu: torch_npu.npu_apply_rotary_pos_emb / npu_rotary_mul ---------------------------------------------
@@ -348,10 +394,10 @@ def _npu_rotate(backend, lay, cast_mode, out_dtypes):
     return [y.to(dt) for y, dt in zip(ys, out_dtypes)]
 
 
-def _from_bsnd(lay, y, like):
+def _from_bsnd(lay, y, target):
     """A BSND result back in the op's output shape (the BSND memory HF's layout and the golden have)."""
     y4 = y.reshape(lay.O, lay.I, -1, lay.D).permute(0, 2, 1, 3) if lay.I > 1 else y.reshape(lay.O, -1, 1, lay.D)
-    return y4.reshape(like.shape)
+    return y4.reshape(target.shape)
 
 
 @ROPE.impl("npu", supports=_npu_rope_supports)
@@ -359,9 +405,9 @@ def _(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode):
     if mrope_section:
         cos, sin = merge_sections(cos, mrope_section), merge_sections(sin, mrope_section)
     lay = Layout(q, k, cos, sin, (), unsqueeze_dim)
-    out = [q.dtype, k.dtype] if cast_mode == "fp32" else [torch.promote_types(q.dtype, cos.dtype)] * 2
+    out = out_dtypes(q, k, cos, cast_mode)
     yq, yk = _npu_rotate(backend, lay, cast_mode, out)
-    return _from_bsnd(lay, yq, q), _from_bsnd(lay, yk, k)
+    return like(q, _from_bsnd(lay, yq, q)), like(k, _from_bsnd(lay, yk, k))
 
 
 def _npu_qk_supports(backend, q, k, qw, kw, cos, sin, mrope_section, q_eps, k_eps, unsqueeze_dim, cast_mode):
@@ -387,9 +433,9 @@ def _(backend, q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps, 
     if mrope_section:
         cos, sin = merge_sections(cos, mrope_section), merge_sections(sin, mrope_section)
     lay = Layout(qn, kn, cos, sin, (), unsqueeze_dim)
-    out = [q.dtype, k.dtype] if cast_mode == "fp32" else [torch.promote_types(q.dtype, cos.dtype)] * 2
+    out = out_dtypes(q, k, cos, cast_mode)
     yq, yk = _npu_rotate(backend, lay, cast_mode, out)
-    return _from_bsnd(lay, yq, q), _from_bsnd(lay, yk, k)
+    return like(q, _from_bsnd(lay, yq, q)), like(k, _from_bsnd(lay, yk, k))
 
 
 # ---- pypto: tokens x heads x D tiles --------------------------------------------------------------------
@@ -485,7 +531,7 @@ def _pypto_supports(backend, q, k, cos, *rest):
 
 @ROPE.impl("pypto", supports=_pypto_supports)
 def _(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode):
-    oq, ok = ROPE.empty_outputs(q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode)
+    oq, ok = _outputs(q, k, cos, cast_mode)
     if q.numel() and k.numel():
         lay = Layout(q, k, cos, sin, mrope_section, unsqueeze_dim)
         x3, planes, sections = _pypto_inputs(lay, mrope_section)
@@ -497,8 +543,7 @@ def _(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode):
 
 @QK_NORM_ROPE.impl("pypto", supports=lambda backend, q, k, qw, kw, cos, *rest: _pypto_supports(backend, q, k, cos))
 def _(backend, q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps, unsqueeze_dim, cast_mode):
-    oq, ok = QK_NORM_ROPE.empty_outputs(q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps,
-                                        unsqueeze_dim, cast_mode)
+    oq, ok = _outputs(q, k, cos, cast_mode)
     if q.numel() and k.numel():
         lay = Layout(q, k, cos, sin, mrope_section, unsqueeze_dim)
         x3, planes, sections = _pypto_inputs(lay, mrope_section)
