@@ -5,23 +5,34 @@ from pathlib import Path
 import pytest
 
 from pypto_gym.cli import main
+from pypto_gym.ops import OPS
 from pypto_gym.models.qwen2_5_vl import SAMPLE_IMAGE
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_bench_ops_quick_writes_json_and_plot(tmp_path, capsys):
+    """Rows for every op whose definition has a bench spec, and the patched modules at decode."""
     rc = main(["bench", "ops", "--quick", "--rounds", "1", "--json", str(tmp_path / "o.json"),
                "--png", str(tmp_path / "o.png"), "--no-pin-allocator"])
     data = json.loads((tmp_path / "o.json").read_text())
     assert rc in (0, 1)  # 1 = a goal line says FAIL; timings are never asserted
     assert (tmp_path / "o.png").stat().st_size > 0
+    assert {r["op"] for r in data["rows"]} == {name for name, op in OPS.items() if op.bench is not None} \
+        >= {"rms_norm", "add_rms_norm", "swiglu", "rope", "qk_norm_rope"}
     assert {r["phase"] for r in data["rows"]} == {"decode", "prefill", "vision"}
     assert all(g.startswith(("PASS", "FAIL")) for g in data["goals"]) and data["goals"]
-    assert {"bare_cpu_op", "patched_cpu", "hf_eager", "overhead_ratio", "speedup_vs_hf"} <= set(data["wrapper_us"])
+    assert set(data["modules_us"]) == {"norm", "mlp", "attention"}
+    assert {"bare_cpu_op", "patched_cpu", "hf_eager", "overhead_ratio", "speedup_vs_hf"} <= set(data["modules_us"]["norm"])
     out = capsys.readouterr().out
-    assert "vs compile" in out and data["machine"] in out.splitlines()[0]  # every figure says what it ran on
-    assert any("torch.compile" in g for g in data["goals"]) and any("clone()" in g for g in data["goals"])
+    assert "vs comp" in out and data["machine"] in out.splitlines()[0]  # every figure says what it ran on
+    for needle in ("torch.compile", "clone()", "torch.add(gate, up)", "its parts"):
+        assert any(needle in g for g in data["goals"]), needle
+
+
+def test_bench_ops_refuses_an_op_without_a_bench_spec(capsys):
+    assert main(["bench", "ops", "--ops", "quant_matmul"]) == 2
+    assert "--ops: got 'quant_matmul'; expected a comma list of rms_norm" in capsys.readouterr().err
 
 
 def test_bench_cases_times_every_case(tmp_path):

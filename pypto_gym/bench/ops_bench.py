@@ -1,10 +1,11 @@
-"""`bench ops`: the cpu kernels against what a CPU user would run instead (SPEC 7).
+"""`bench ops`: every op's cpu kernel against what a CPU user would run instead (SPEC 7).
 
-Per shape, side by side (interleaved medians): HF's eager RMSNorm module, `torch.compile` of the
-same module (inductor: what a CPU user would pick instead), the torch reference, the cpu kernel
-(for each instruction-set level asked for), and a same-size `clone()`, the memory floor: a norm
-reads x once and writes y once, as clone does. Then the add+norm pair, and at decode size what a
-patched module costs against the bare op and against HF eager. Every figure is printed with the
+The rows come from the op definitions (`Op.bench`, a BenchSpec): per op and real-model shape, side by
+side (interleaved medians), what HF eager runs, `torch.compile` of the same (inductor: what a CPU user
+would pick instead), the torch reference, the cpu kernel (for each instruction-set level asked for),
+the op's parts on the cpu kernels where fusing is the claim, and the memory floor (the same bytes moved
+with trivial math: a norm's clone(), swiglu's torch.add). Then, at decode, what a patched module costs
+against the bare op and against HF's module (norm, MLP, attention). Every figure is printed with the
 CPU it ran on; goals are PASS/FAIL lines.
 """
 from __future__ import annotations
@@ -15,29 +16,13 @@ import time
 import torch
 
 from .. import hardware, ops
-from ..ops import registry
+from ..ops import OPS, registry
+from ..ops.args import Tensor
 from ..ops.backends.cpu import CpuBackend
 from .timing import goal_line, header, interleaved_medians, pin_allocator, save_plot, write_json
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-GOALS = {"compile_speedup": 1.5, "clone_ratio": 1.5, "clone_min_rows": 512, "wrapper_overhead": 1.15,
-         "wrapper_vs_hf": 1.3}
-
-
-def shapes(quick: bool):
-    rows = [64, 512, 4096] if quick else [64, 256, 512, 1024, 2048, 4096]
-    out = [("decode", (1, 1, 2048))] + [("prefill", (1, s, 2048)) for s in rows]
-    out += [("vision", (t, 1280)) for t in ([3744] if quick else [1024, 3744])]
-    return out
-
-
-def hf_norm(D, dtype):
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
-
-    m = Qwen2_5_VLRMSNorm(D, eps=1e-6).to(dtype)
-    with torch.no_grad():
-        m.weight.normal_(1.0, 0.1)
-    return m
+MODULE_GOALS = {"overhead": 1.15, "norm_vs_hf": 1.3, "mlp_vs_hf": 1.0, "attention_vs_hf": 1.0}
 
 
 def kernel_backends(isas) -> dict:
@@ -69,40 +54,150 @@ def first_call_ms() -> dict:
             "cpu_first_call_ms": (time.perf_counter() - t0) * 1e3}
 
 
-def wrapper_overhead_us(rounds: int) -> dict:
-    """A patched norm at decode size [1, 1, 2048] bf16 against the bare op and against HF's module."""
+# ---- patched modules at decode ------------------------------------------------------------------------------
+def _decode_modules(dtype):
+    """(kind, HF module, its input args, the bare op call doing the module's fused part) at GutenOCR-3B dims."""
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen
+
+    from ..ops.defs.rms_norm import hf_norm_module
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, 2048, generator=gen).to(dtype)
+    norm = hf_norm_module((1 + 0.1 * torch.randn(2048, generator=gen)).to(dtype), 1e-6)
+    text = Qwen2_5_VLConfig(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
+                            num_hidden_layers=1).text_config
+    text._attn_implementation = "sdpa"
+    mlp = qwen.Qwen2MLP(text).to(dtype)
+    attn = qwen.Qwen2_5_VLAttention(text, layer_idx=0).to(dtype)
+    angles = torch.rand(1, 1, 64, generator=gen) * 100
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    g = norm.weight.detach()
+    mlp_bare = lambda: mlp.down_proj(ops.swiglu(mlp.gate_proj(x), mlp.up_proj(x), backend="cpu"))  # noqa: E731
+    return [("norm", norm, (x,), {}, lambda: ops.rms_norm(x, g, 1e-6, backend="cpu")),
+            ("mlp", mlp, (x,), {}, mlp_bare),
+            ("attention", attn, (x,), {"attention_mask": None, "position_embeddings": (cos, sin)}, None)]
+
+
+def patched_modules_us(dtype, rounds: int) -> dict:
+    """Per module kind at decode: HF's module, the same module patched (cpu), the bare op (where the module
+    is one op around its projections) and the patched module with the switch off."""
     from .. import config
     from ..patching import patch_model
 
-    hf = hf_norm(2048, torch.bfloat16)
-    patched = torch.nn.Sequential(copy.deepcopy(hf))
-    patch_model(patched, backend="cpu")
-    norm = patched[0]
-    x = torch.randn(1, 1, 2048, dtype=torch.bfloat16)
-    g = hf.weight.detach()
+    out = {}
+    for kind, hf, args, kwargs, bare in _decode_modules(dtype):
+        patched = torch.nn.Sequential(copy.deepcopy(hf))
+        patch_model(patched, backend="cpu", fuse_residual=False)
+        module = patched[0]
 
-    def switched_off():
-        with config.scoped(enabled=False):
-            return norm(x)
+        def switched_off(module=module, args=args, kwargs=kwargs):
+            with config.scoped(enabled=False):
+                return module(*args, **kwargs)
 
-    with torch.inference_mode():
-        t = interleaved_medians({"bare_cpu_op": lambda: ops.rms_norm(x, g, 1e-6, backend="cpu"),
-                                 "patched_cpu": lambda: norm(x), "hf_eager": lambda: hf(x),
-                                 "patched_switched_off": switched_off}, rounds=rounds)
-    us = {k: v * 1e6 for k, v in t.items()}
-    us["overhead_ratio"] = us["patched_cpu"] / us["bare_cpu_op"]
-    us["speedup_vs_hf"] = us["hf_eager"] / us["patched_cpu"]
-    return us
+        fns = {"hf_eager": lambda hf=hf, args=args, kwargs=kwargs: hf(*args, **kwargs),
+               "patched_cpu": lambda module=module, args=args, kwargs=kwargs: module(*args, **kwargs),
+               "patched_switched_off": switched_off}
+        if bare is not None:
+            fns["bare_cpu_op"] = bare
+        with torch.inference_mode():
+            us = {k: v * 1e6 for k, v in interleaved_medians(fns, rounds=rounds).items()}
+        us["speedup_vs_hf"] = us["hf_eager"] / us["patched_cpu"]
+        if bare is not None:
+            us["overhead_ratio"] = us["patched_cpu"] / us["bare_cpu_op"]
+        out[kind] = us
+    return out
 
 
-def _compiled(module):
-    """torch.compile of HF's module, specialised to the shape it will see (dynamo's caches reset first:
-    every shape compiles the same forward, and past 8 recompiles dynamo would silently run eager)."""
+# ---- the op rows ---------------------------------------------------------------------------------------------
+def _compiled(fn):
+    """torch.compile of what HF runs, specialised to the shape it will see (dynamo's caches reset first: every
+    shape compiles the same code, and past 8 recompiles dynamo would silently run eager)."""
     torch._dynamo.reset()
-    return torch.compile(module.forward, dynamic=False)
+    return torch.compile(fn, dynamic=False)
 
 
-def run(dtypes=("bfloat16",), quick=False, rounds=15, json_path=None, png_path=None, pin=True, isas=None) -> int:
+def _shape_label(args) -> str:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return " ".join(str(tuple(t.shape)).replace(" ", "") for t in tensors[:2])
+
+
+def op_rows(op, dtype, dname, levels, quick, rounds) -> list[dict]:
+    spec = op.bench
+    rows = []
+    for phase, tokens, args in spec.shapes(quick, dtype):
+        hf = spec.hf(args)
+        compiled = _compiled(hf)
+        compiled()  # compile outside the timed rounds
+        # the kernel as a patched module calls it: bound to its constants (BoundCall), the tensors per call
+        constants = {a.name: v for a, v in zip(op.args, args) if not isinstance(a, Tensor)}
+        tensors = [v for a, v in zip(op.args, args) if isinstance(a, Tensor)]
+        fns = {"hf": hf, "compile": compiled, "torch": lambda: op.call(args, "torch", None),
+               "floor": spec.floor(args)}
+        for isa, name in levels.items():
+            fns[f"cpu_{isa}"] = (lambda b=op.bind(name, ops.Stats(), **constants): b(*tensors))
+            if spec.unfused is not None:
+                fns[f"unfused_{isa}"] = spec.unfused(args, name)
+        us = {k: v * 1e6 for k, v in interleaved_medians(fns, rounds=rounds).items()}
+        best = us[f"cpu_{next(iter(levels))}"]
+        row = {"op": op.name, "phase": phase, "tokens": tokens, "shape": _shape_label(args), "dtype": dname,
+               **{f"{k}_us": v for k, v in us.items()}, "floor": spec.floor_name,
+               "cpu_speedup_vs_hf": us["hf"] / best, "cpu_speedup_vs_compile": us["compile"] / best,
+               "cpu_over_floor": best / us["floor"]}
+        if spec.unfused is not None:
+            row["fused_speedup"] = us[f"unfused_{next(iter(levels))}"] / best
+        rows.append(row)
+    return rows
+
+
+def _print_rows(rows, kcols):
+    head = (f"{'op':<13} {'phase':<8} {'shape':<26} {'hf eager':>9} {'compile':>9} {'torch':>9} "
+            + " ".join(f"{'cpu ' + k:>15}" for k in kcols) + f" {'floor':>8} {'vs hf':>7} {'vs comp':>7} {'/floor':>7}")
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        print(f"{r['op']:<13} {r['phase']:<8} {r['shape']:<26} {r['hf_us']:>9.1f} {r['compile_us']:>9.1f} "
+              f"{r['torch_us']:>9.1f} " + " ".join(f"{r['cpu_' + k + '_us']:>15.1f}" for k in kcols)
+              + f" {r['floor_us']:>8.1f} {r['cpu_speedup_vs_hf']:>6.2f}x {r['cpu_speedup_vs_compile']:>6.2f}x "
+              f"{r['cpu_over_floor']:>6.2f}x" + (f"   fused {r['fused_speedup']:.2f}x its parts" if "fused_speedup" in r
+                                                 else ""))
+
+
+def goal_lines(rows, modules) -> list[str]:
+    goals = []
+    for r in rows:
+        g = OPS[r["op"]].bench.goals
+        label = f"cpu {r['op']} {r['dtype']} {r['phase']} {r['shape']}"
+        if "vs_hf" in g:
+            goals.append(goal_line(r["cpu_speedup_vs_hf"] >= g["vs_hf"], f"{label}: {r['cpu_speedup_vs_hf']:.2f}x HF "
+                                                                         f"eager (goal >= {g['vs_hf']}x)"))
+        if "decode_vs_hf" in g and r["phase"] == "decode":
+            goals.append(goal_line(r["cpu_speedup_vs_hf"] >= g["decode_vs_hf"],
+                                   f"{label}: {r['cpu_speedup_vs_hf']:.2f}x HF eager (goal >= {g['decode_vs_hf']}x)"))
+        if r["tokens"] >= g.get("min_tokens", 2):
+            if "vs_compile" in g:
+                goals.append(goal_line(r["cpu_speedup_vs_compile"] >= g["vs_compile"],
+                                       f"{label}: {r['cpu_speedup_vs_compile']:.2f}x torch.compile "
+                                       f"(goal >= {g['vs_compile']}x)"))
+            if "floor" in g:
+                goals.append(goal_line(r["cpu_over_floor"] <= g["floor"], f"{label}: {r['cpu_over_floor']:.2f}x "
+                                                                          f"{r['floor']} (goal <= {g['floor']}x)"))
+        if "fused_speedup" in r:
+            goals.append(goal_line(r["fused_speedup"] > 1, f"{label}: {r['fused_speedup']:.2f}x its parts on their "
+                                                           f"own cpu kernels (goal > 1x)"))
+    for kind, m in modules.items():
+        goal = MODULE_GOALS[f"{kind}_vs_hf"]
+        goals.append(goal_line(m["speedup_vs_hf"] >= goal, f"patched {kind} at decode: {m['speedup_vs_hf']:.2f}x HF's "
+                                                           f"module (goal >= {goal}x)"))
+        if "overhead_ratio" in m:
+            goals.append(goal_line(m["overhead_ratio"] <= MODULE_GOALS["overhead"],
+                                   f"patched {kind} at decode costs {m['overhead_ratio']:.3f}x the bare cpu op "
+                                   f"(goal <= {MODULE_GOALS['overhead']}x)"))
+    return goals
+
+
+def run(dtypes=("bfloat16",), quick=False, rounds=15, json_path=None, png_path=None, pin=True, isas=None,
+        op_names=None) -> int:
     torch.manual_seed(0)
     allocator = pin_allocator() if pin else "allocator: glibc defaults"
     levels = kernel_backends(isas or [hardware.best_isa()])
@@ -118,51 +213,24 @@ def run(dtypes=("bfloat16",), quick=False, rounds=15, json_path=None, png_path=N
     warm = first_call_ms()
     print(f"cpu kernels: loaded in {warm['cpu_kernel_load_ms']:.0f} ms (build this process: "
           f"{warm['cpu_build_ms']:.0f} ms), first call {warm['cpu_first_call_ms']:.2f} ms")
-    wrap = wrapper_overhead_us(rounds)
-    print(f"decode [1, 1, 2048] bf16: bare cpu op {wrap['bare_cpu_op']:.2f} us, patched module {wrap['patched_cpu']:.2f} us "
-          f"({wrap['overhead_ratio']:.3f}x the bare op), HF eager {wrap['hf_eager']:.2f} us "
-          f"({wrap['speedup_vs_hf']:.2f}x slower than patched), patched with the switch off "
-          f"{wrap['patched_switched_off']:.2f} us")
+    modules = patched_modules_us(DTYPES[dtypes[0]], rounds)
+    for kind, m in modules.items():
+        bare = f", bare cpu op {m['bare_cpu_op']:.2f} us ({m['overhead_ratio']:.3f}x)" if "bare_cpu_op" in m else ""
+        print(f"decode {kind} {dtypes[0]}: HF module {m['hf_eager']:.2f} us, patched {m['patched_cpu']:.2f} us "
+              f"({m['speedup_vs_hf']:.2f}x faster){bare}, patched with the switch off {m['patched_switched_off']:.2f} us")
     rows = []
-    kcols = list(levels)
-    header_line = (f"{'op':<13} {'shape':<16} {'dtype':<9} {'hf eager':>9} {'compile':>9} {'torch':>9} "
-                   + " ".join(f"{'cpu ' + k:>15}" for k in kcols) + f" {'clone':>8} {'vs compile':>10} {'/clone':>7}")
-    print(header_line + "\n" + "-" * len(header_line))
     with torch.inference_mode():
         for dname in dtypes:
-            dtype = DTYPES[dname]
-            for phase, shape in shapes(quick):
-                D = shape[-1]
-                x, x2 = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
-                m = hf_norm(D, dtype)
-                g = m.weight.detach()
-                compiled = _compiled(m)
-                compiled(x)  # compile outside the timed rounds
-                fns = {"hf": lambda: m(x), "compile": lambda: compiled(x),
-                       "torch": lambda: ops.rms_norm(x, g, backend="torch"), "clone": lambda: x.clone()}
-                for isa, name in levels.items():
-                    fns[f"cpu_{isa}"] = (lambda n=name: ops.rms_norm(x, g, backend=n))
-                    fns[f"add_then_norm_{isa}"] = (lambda n=name: ops.rms_norm(x + x2, g, backend=n))
-                    fns[f"add_rms_norm_{isa}"] = (lambda n=name: ops.add_rms_norm(x, x2, g, backend=n))
-                us = {k: v * 1e6 for k, v in interleaved_medians(fns, rounds=rounds).items()}
-                best = us[f"cpu_{kcols[0]}"]
-                row = {"phase": phase, "shape": list(shape), "rows": x.numel() // D, "dtype": dname,
-                       **{f"{k}_us": v for k, v in us.items()},
-                       "cpu_speedup_vs_compile": us["compile"] / best, "cpu_speedup_vs_hf": us["hf"] / best,
-                       "cpu_over_clone": best / us["clone"],
-                       "fused_speedup": us[f"add_then_norm_{kcols[0]}"] / us[f"add_rms_norm_{kcols[0]}"]}
-                rows.append(row)
-                print(f"{'rms_norm':<13} {str(tuple(shape)):<16} {dname:<9} {us['hf']:>9.1f} {us['compile']:>9.1f} "
-                      f"{us['torch']:>9.1f} " + " ".join(f"{us['cpu_' + k]:>15.1f}" for k in kcols)
-                      + f" {us['clone']:>8.1f} {row['cpu_speedup_vs_compile']:>9.2f}x {row['cpu_over_clone']:>6.2f}x")
-                print(f"{'  add+norm':<13} {'':<16} {'':<9} {'':>9} {'':>9} {'':>9} "
-                      + " ".join(f"{us['add_then_norm_' + k]:>6.1f} -> {us['add_rms_norm_' + k]:>6.1f}" for k in kcols)
-                      + f" {'':>8} {'fused':>10} {row['fused_speedup']:>6.2f}x")
-    goals = goal_lines(rows, wrap)
+            for name, op in OPS.items():
+                if op.bench is not None and (not op_names or name in op_names):
+                    rows += op_rows(op, DTYPES[dname], dname, levels, quick, rounds)
+    kcols = list(levels)
+    _print_rows(rows, kcols)
+    goals = goal_lines(rows, modules)
     print("\n" + "\n".join(goals))
     result = {"bench": "ops", "machine": hardware.capability(), "allocator": allocator, "levels": levels,
               "aten_capability": torch.backends.cpu.get_cpu_capability(), "compile": compile_note,
-              "first_call": warm, "wrapper_us": wrap, "rows": rows, "goals": goals,
+              "first_call": warm, "modules_us": modules, "rows": rows, "goals": goals,
               "threads": torch.get_num_threads(), "torch": torch.__version__}
     if json_path:
         write_json(json_path, result)
@@ -172,42 +240,21 @@ def run(dtypes=("bfloat16",), quick=False, rounds=15, json_path=None, png_path=N
     return 0 if all(g.startswith("PASS") for g in goals) else 1
 
 
-def goal_lines(rows, wrap) -> list[str]:
-    G = GOALS
-    goals = [goal_line(wrap["overhead_ratio"] <= G["wrapper_overhead"],
-                       f"patched norm at decode costs {wrap['overhead_ratio']:.3f}x the bare cpu op "
-                       f"(goal <= {G['wrapper_overhead']}x)"),
-             goal_line(wrap["speedup_vs_hf"] >= G["wrapper_vs_hf"],
-                       f"patched norm at decode is {wrap['speedup_vs_hf']:.2f}x faster than HF eager "
-                       f"(goal >= {G['wrapper_vs_hf']}x)")]
-    for r in rows:
-        label = f"{r['dtype']} {tuple(r['shape'])}"
-        if r["rows"] > 1:
-            goals.append(goal_line(r["cpu_speedup_vs_compile"] >= G["compile_speedup"],
-                                   f"cpu rms_norm {label}: {r['cpu_speedup_vs_compile']:.2f}x torch.compile "
-                                   f"(goal >= {G['compile_speedup']}x)"))
-        if r["rows"] >= G["clone_min_rows"]:
-            goals.append(goal_line(r["cpu_over_clone"] <= G["clone_ratio"],
-                                   f"cpu rms_norm {label}: {r['cpu_over_clone']:.2f}x clone() "
-                                   f"(goal <= {G['clone_ratio']}x)"))
-        goals.append(goal_line(r["fused_speedup"] > 1, f"cpu add_rms_norm {label}: {r['fused_speedup']:.2f}x "
-                                                        f"add then rms_norm (goal > 1x)"))
-    return goals
-
-
 def _plot(plt, rows, level):
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    text = [r for r in rows if r["shape"][-1] == 2048]
-    xs = [r["rows"] for r in text]
-    for key, label in (("hf_us", "HF eager"), ("compile_us", "torch.compile (HF formula)"),
-                       (f"cpu_{level}_us", f"pypto-gym cpu ({level})"), (f"add_rms_norm_{level}_us", "cpu add_rms_norm"),
-                       ("clone_us", "clone() floor")):
-        ax.plot(xs, [r[key] for r in text], marker="o", label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel(f"rows (tokens), D=2048, {text[0]['dtype'] if text else ''}")
-    ax.set_ylabel("median µs per call")
-    ax.set_title(f"rms_norm on {hardware.cpu_model()}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    """One panel per op: median us per call of each variant, by row."""
+    names = list(dict.fromkeys(r["op"] for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        mine = [r for r in rows if r["op"] == name]
+        xs = range(len(mine))
+        for key, label in (("hf_us", "HF eager"), ("compile_us", "torch.compile"), (f"cpu_{level}_us", f"cpu ({level})"),
+                           ("floor_us", "memory floor")):
+            ax.plot(xs, [r[key] for r in mine], marker="o", label=label)
+        ax.set_xticks(list(xs), [f"{r['phase']}\n{r['tokens']}" for r in mine], fontsize=7)
+        ax.set_yscale("log")
+        ax.set_title(f"{name} ({mine[0]['dtype']})", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("median µs per call")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"bench ops on {hardware.cpu_model()}", fontsize=10)
     return fig

@@ -15,6 +15,7 @@ def add_parser(sub):
                    help="time with glibc's default mmap/trim behaviour (page faults make large shapes bimodal)")
     b.add_argument("--isa", default="best", help="cpu kernel levels to time: best (default), all, or a comma list "
                                                  "of avx512bf16,avx512,avx2,generic")
+    b.add_argument("--ops", help="comma list of ops to time (default: every op with a bench spec)")
     b.add_argument("--json", help=f"default: {BENCH_OUT}/ops.json")
     b.add_argument("--png", help=f"default: {BENCH_OUT}/ops.png")
     b.set_defaults(func=cmd_bench_ops)
@@ -59,6 +60,7 @@ def add_parser(sub):
 def cmd_bench_ops(args) -> int:
     from .. import hardware
     from ..bench import ops_bench
+    from ..ops import OPS
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in dtypes if d not in ops_bench.DTYPES]
@@ -73,9 +75,13 @@ def cmd_bench_ops(args) -> int:
     for isa in isas:
         if isa not in levels or not hardware.supports_isa(isa):
             raise UserError(f"--isa: got {isa!r}; this CPU runs {', '.join(i for i in levels if hardware.supports_isa(i))}")
+    benched = [name for name, op in OPS.items() if op.bench is not None]
+    op_names = [o.strip() for o in (args.ops or "").split(",") if o.strip()]
+    if args.ops is not None and (not op_names or set(op_names) - set(benched)):
+        raise UserError(f"--ops: got {args.ops!r}; expected a comma list of {', '.join(benched)}")
     json_path, png_path = bench_outputs(args, "ops")
     return ops_bench.run(dtypes, args.quick, args.rounds, json_path, png_path, pin=not args.no_pin_allocator,
-                         isas=isas)
+                         isas=isas, op_names=op_names)
 
 
 def cmd_bench_e2e(args) -> int:

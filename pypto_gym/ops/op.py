@@ -41,6 +41,24 @@ class Impl:
     supports: Callable | None = None
 
 
+@dataclass(frozen=True)
+class BenchSpec:
+    """How `bench ops` times an op against what a CPU user runs instead (bench/ops_bench.py reads it).
+
+    shapes(quick) -> [(phase, tokens, args)]: the model's real shapes and layouts. hf(args) -> a callable
+    running what HF eager runs (also compiled, as the torch.compile row). floor(args) -> a callable moving
+    the same bytes with trivial math (`floor_name` says which). unfused(args, backend): the op's parts on
+    that backend's kernels, where fusing is the claim. goals: "vs_hf" (every row), "decode_vs_hf", and
+    "vs_compile" and "floor" (rows of at least "min_tokens" tokens)."""
+
+    shapes: Callable
+    hf: Callable
+    floor: Callable
+    floor_name: str
+    goals: dict
+    unfused: Callable | None = None
+
+
 @dataclass
 class Backward:
     """A backward formula: `fn(saved, grads) -> {argument name: gradient}`, where `saved` maps the names
@@ -57,7 +75,7 @@ class Op:
 
     def __init__(self, golden: Callable, args: list, outputs: list, *, check: Callable | None = None,
                  min_dims: dict | None = None, backward: Backward | None = None, examples: tuple = (),
-                 bench=None, tolerance: Callable | None = None):
+                 bench: BenchSpec | None = None):
         self.name = golden.__name__
         if self.name in Op.registry:
             raise ValueError(f"op {self.name!r} is defined twice")
@@ -66,7 +84,7 @@ class Op:
         self.outputs: list[Output] = list(outputs)
         self.arg = {a.name: a for a in self.args}
         self._check, self.min_dims, self.backward = check, dict(min_dims or {}), backward
-        self.examples, self.bench, self.tolerance = tuple(examples), bench, tolerance
+        self.examples, self.bench = tuple(examples), bench
         self.impls: dict[str, Impl] = {}
         self.unsupported: dict[str, str] = {}
         self._last = (None, False)  # (signature, eager) of the last validated call

@@ -17,7 +17,7 @@ import torch
 from ..args import FLOAT_DTYPES, Choice, Float, Output, Tensor, dtype_name
 from ..backends.npu import as_rows
 from ..backends.pypto_backend import rows, vector
-from ..op import Backward, Op
+from ..op import Backward, BenchSpec, Op
 
 CAST_MODES = ("hf", "fp32", "none")
 MODES = {"hf": 0, "fp32": 1, "none": 2}  # the C++ kernels' codes
@@ -105,13 +105,60 @@ GAMMA = dict(floats=True, optional=True, flat=True, gen="weight")
 EXAMPLES = ({"R": (2, 5), "D": 64}, {"R": (7,), "D": 2049, "cast_mode": "fp32"}, {"R": (3,), "D": 33, "gamma": None},
             {"R": (2, 3), "D": 40, "dtype": torch.float16, "cast_mode": "none"})
 
+# ---- bench ops: GutenOCR-3B's norms (text hidden 2048, vision 1280) against HF's module ------------------
+def _norm_shapes(quick, dtype, two=False):
+    tokens = [64, 512, 4096] if quick else [64, 256, 512, 1024, 2048, 4096]
+    shapes = [("decode", (1, 1, 2048))] + [("prefill", (1, s, 2048)) for s in tokens]
+    shapes += [("vision", (t, 1280)) for t in ([3744] if quick else [1024, 3744])]
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for phase, shape in shapes:
+        xs = [torch.randn(shape, generator=gen).to(dtype) for _ in range(2 if two else 1)]
+        gamma = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype)
+        out.append((phase, xs[0].numel() // shape[-1], (*xs, gamma, 1e-6, "hf")))
+    return out
+
+
+def hf_norm_module(gamma, eps):
+    """HF's own RMSNorm module (Qwen2.5-VL's) with this weight."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
+
+    m = Qwen2_5_VLRMSNorm(gamma.shape[0], eps=eps).to(gamma.dtype)
+    m.weight.data = gamma
+    return m
+
+
+def _hf_rms_norm(args):
+    m = hf_norm_module(args[1], args[2])
+    return lambda: m(args[0])
+
+
+def _hf_add_rms_norm(args):
+    """The decoder layer's `residual + h`, then HF's norm."""
+    m = hf_norm_module(args[2], args[3])
+
+    def run():
+        s = args[0] + args[1]
+        return m(s), s
+    return run
+
+
+def _unfused_add_rms_norm(args, backend):
+    """The add in torch, then the norm's own kernel: what the fused op saves."""
+    x1, x2, gamma, eps, cast_mode = args
+    return lambda: RMS_NORM.call((x1 + x2, gamma, eps, cast_mode), backend, None)
+
+
+NORM_GOALS = {"vs_compile": 1.5, "floor": 1.5, "min_tokens": 512}
+
 RMS_NORM = Op(rms_norm, [
     Tensor("x", "*R D", FLOAT_DTYPES, case="hidden_states"),
     Tensor("gamma", "D", case="weight", **GAMMA),
     Float("eps", default=1e-6, low=0.0),
     Choice("cast_mode", CAST_MODES, default="hf", kw_only=True),
 ], [Output("y", case="output")], min_dims={"D": 1},
-    backward=Backward(("x", "gamma", "eps", "cast_mode"), _rms_norm_grads), examples=EXAMPLES)
+    backward=Backward(("x", "gamma", "eps", "cast_mode"), _rms_norm_grads), examples=EXAMPLES,
+    bench=BenchSpec(_norm_shapes, _hf_rms_norm, lambda a: a[0].clone, "clone()", NORM_GOALS))
 
 ADD_RMS_NORM = Op(add_rms_norm, [
     Tensor("x1", "*R D", FLOAT_DTYPES),
@@ -120,7 +167,10 @@ ADD_RMS_NORM = Op(add_rms_norm, [
     Float("eps", default=1e-6, low=0.0),
     Choice("cast_mode", CAST_MODES, default="hf", kw_only=True),
 ], [Output("y"), Output("x_out")], min_dims={"D": 1},
-    backward=Backward(("x_out", "gamma", "eps", "cast_mode"), _add_rms_norm_grads), examples=EXAMPLES)
+    backward=Backward(("x_out", "gamma", "eps", "cast_mode"), _add_rms_norm_grads), examples=EXAMPLES,
+    bench=BenchSpec(lambda quick, dtype: _norm_shapes(quick, dtype, two=True), _hf_add_rms_norm,
+                    lambda a: (lambda: (a[0].clone(), a[1].clone())), "clone() of x1 and x2", NORM_GOALS,
+                    unfused=_unfused_add_rms_norm))
 
 
 def _gamma_float(backend, *args):

@@ -170,6 +170,25 @@ std::tuple<at::Tensor, at::Tensor> rope_entry(const at::Tensor& q, const at::Ten
   return {oq, ok};
 }
 
+// One head vector normalised into fp32 n: hf rounds x*r and then the weight's product to x's dtype (HF's
+// RMSNorm), fp32 keeps x*r*g unrounded. The sum of squares is common.h's (fp32 lanes folded into fp64).
+template <class X>
+void head_norm(const typename X::T* x, const typename X::T* g, float* n, int64_t D, float eps, bool hf) {
+  const float r = 1.0f / std::sqrt((float)(sum_squares<X>(x, D) / D) + eps);
+  int64_t t = 0;
+#ifdef PG_SIMD
+  const V vr = vset(r);
+  for (; t + W <= D; t += W) {
+    const V v = vmul(vload<X>(x + t), vr), gv = vload<X>(g + t);
+    vstore<F32>(n + t, hf ? vround<X>(vmul(gv, vround<X>(v))) : vmul(v, gv));
+  }
+#endif
+  for (; t < D; ++t) {
+    const float v = X::load(x[t]) * r;
+    n[t] = hf ? round_to<X>(X::load(g[t]) * round_to<X>(v)) : v * X::load(g[t]);
+  }
+}
+
 // qk_norm_rope: the head vector normalised into fp32 (hf: rounded to x's dtype after x*r and after the
 // weight, as HF's RMSNorm), then rotated from there.
 std::tuple<at::Tensor, at::Tensor> qk_norm_rope_entry(
@@ -197,17 +216,7 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_entry(
                     bool is_q, float* n) {
                   const T* g = is_q ? gq : gk;
                   const float eps = (float)(is_q ? q_eps : k_eps);
-                  const T* x = in.at<T>(o, h, i);
-                  double ss = 0.0;
-                  for (int64_t t = 0; t < D; ++t) {
-                    const double v = X::load(x[t]);
-                    ss += v * v;
-                  }
-                  const float r = 1.0f / std::sqrt((float)(ss / D) + eps);
-                  for (int64_t t = 0; t < D; ++t) {
-                    const float v = X::load(x[t]) * r;
-                    n[t] = hf ? round_to<X>(X::load(g[t]) * round_to<X>(v)) : v * X::load(g[t]);
-                  }
+                  head_norm<X>(in.at<T>(o, h, i), g, n, D, eps, hf);
                   rotate_head<F32, O, decltype(hfc)::value>(n, c, s, out.at<typename O::T>(o, h, i), E, D);
                 });
     };

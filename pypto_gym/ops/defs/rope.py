@@ -28,7 +28,7 @@ import torch
 
 from ..args import FLOAT_DTYPES, ArgValueError, Choice, Float, Int, Ints, Output, Tensor, dtype_name
 from ..backends.pypto_backend import UB_BYTES, Tiles
-from ..op import Backward, Op
+from ..op import Backward, BenchSpec, Op
 from .rms_norm import rms_norm
 
 CAST_MODES = ("hf", "fp32")
@@ -171,6 +171,43 @@ ROPE_EXAMPLES = ({"Q": (1, 4, 5), "K": (1, 2, 5), "C": (1, 5), "D": 64, "E": 64}
                  {"Q": (2, 3, 1), "K": (2, 1, 1), "C": (2, 1), "D": 48, "E": 32, "dtype": torch.float16},
                  {"Q": (1, 2, 3), "K": (1, 2, 3), "C": (1, 3), "D": 16, "E": 16, "dtype": torch.float32})
 
+# ---- bench ops: GutenOCR-3B's attentions, as HF hands them over ------------------------------------------
+def hf_text_layout(S, heads, kv_heads, D, dtype, gen):
+    """q, k as HF's text attention makes them: [B, H, S, D] views of the [B, S, H, D] projections."""
+    q = torch.randn(1, S, heads, D, generator=gen).to(dtype).transpose(1, 2)
+    k = torch.randn(1, S, kv_heads, D, generator=gen).to(dtype).transpose(1, 2)
+    angles = torch.rand(1, S, D // 2, generator=gen) * 100
+    emb = torch.cat((angles, angles), dim=-1)
+    return q, k, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _bench_shapes(quick, dtype):
+    """Text q [1, 16, S, 128] with k [1, 2, S, 128] (S = 1, 512, 4096) and the vision tower's [3744, 16, 80]
+    views of one qkv projection with fp32 cos/sin."""
+    gen = torch.Generator().manual_seed(0)
+    out = [("decode" if S == 1 else "prefill", S, (*hf_text_layout(S, 16, 2, 128, dtype, gen), [], 1, "hf"))
+           for S in ([1, 512] if quick else [1, 512, 4096])]
+    S = 3744
+    q, k, _ = torch.randn(S, 3 * 16 * 80, generator=gen).to(dtype).reshape(S, 3, 16, 80).permute(1, 0, 2, 3).unbind(0)
+    angles = torch.rand(S, 40, generator=gen) * 100
+    emb = torch.cat((angles, angles), dim=-1)
+    out.append(("vision", S, (q, k, emb.cos(), emb.sin(), [], -2, "fp32")))
+    return out
+
+
+def _hf_rope(args):
+    """HF's text function (Llama's: the one Qwen2/2.5-VL 5.x and Qwen3 share), or its vision function."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+
+    q, k, cos, sin, _, unsqueeze_dim, _ = args
+    if unsqueeze_dim == -2:
+        return lambda: apply_rotary_pos_emb_vision(q, k, cos, sin)
+    return lambda: apply_rotary_pos_emb(q, k, cos, sin)
+
+
+ROPE_GOALS = {"decode_vs_hf": 3.0, "vs_compile": 1.5, "min_tokens": 512}
+
 ROPE = Op(rope, [
     Tensor("q", "*Q D", FLOAT_DTYPES, case="query"),
     Tensor("k", "*K D", None, like="q", case="key"),
@@ -180,7 +217,45 @@ ROPE = Op(rope, [
     Int("unsqueeze_dim", default=1, low=-8, high=8, kw_only=True),
     Choice("cast_mode", CAST_MODES, default="hf", kw_only=True),
 ], [Output("q_embed"), Output("k_embed")], check=_check_rope, min_dims={"D": 2, "E": 2},
-    backward=Backward(ROPE_NAMES, _rope_grads(ROPE_NAMES)), examples=ROPE_EXAMPLES)
+    backward=Backward(ROPE_NAMES, _rope_grads(ROPE_NAMES)), examples=ROPE_EXAMPLES,
+    bench=BenchSpec(_bench_shapes, _hf_rope, lambda a: (lambda: (a[0].clone(), a[1].clone())), "clone() of q and k",
+                    ROPE_GOALS))
+
+def _qk_bench_shapes(quick, dtype):
+    """Qwen3-8B's attention: q [1, 32, S, 128], k [1, 8, S, 128], before their norms."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for S in ([1, 512] if quick else [1, 512, 4096]):
+        q, k, cos, sin = hf_text_layout(S, 32, 8, 128, dtype, gen)
+        weights = [(1 + 0.1 * torch.randn(128, generator=gen)).to(dtype) for _ in range(2)]
+        out.append(("decode" if S == 1 else "prefill", S, (q, k, *weights, cos, sin, [], 1e-6, 1e-6, 1, "hf")))
+    return out
+
+
+def _hf_qk_norm_rope(args):
+    """Qwen3's attention: its q_norm and k_norm modules, then the text function."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    q, k, qw, kw, cos, sin, _, q_eps, k_eps = args[:9]
+    norms = []
+    for w, eps in ((qw, q_eps), (kw, k_eps)):
+        m = Qwen3RMSNorm(w.shape[0], eps=eps).to(w.dtype)
+        m.weight.data = w
+        norms.append(m)
+    return lambda: apply_rotary_pos_emb(norms[0](q), norms[1](k), cos, sin)
+
+
+def _unfused_qk_norm_rope(args, backend):
+    """The two norms and the rotation as three calls of their own kernels."""
+    q, k, qw, kw, cos, sin, sec, q_eps, k_eps, u, cast_mode = args
+    norm = Op.registry["rms_norm"]
+
+    def run():
+        qn = norm.call((q, qw, q_eps, cast_mode), backend, None)
+        kn = norm.call((k, kw, k_eps, cast_mode), backend, None)
+        return ROPE.call((qn, kn, cos, sin, sec, u, cast_mode), backend, None)
+    return run
+
 
 QK_NORM_ROPE = Op(qk_norm_rope, [
     Tensor("q", "*Q D", FLOAT_DTYPES, case="query"),
@@ -199,7 +274,9 @@ QK_NORM_ROPE = Op(qk_norm_rope, [
     examples=({"Q": (1, 4, 5), "K": (1, 2, 5), "C": (1, 5), "D": 64, "E": 64},
               {"Q": (1, 4, 3), "K": (1, 2, 3), "C": (1, 3), "D": 128, "E": 128, "cast_mode": "fp32"},
               {"Q": (1, 2, 1), "K": (1, 1, 1), "C": (1, 1), "D": 40, "E": 40, "dtype": torch.float16},
-              {"Q": (1, 2, 4), "K": (1, 2, 4), "C": (1, 4), "D": 16, "E": 16, "dtype": torch.float32}))
+              {"Q": (1, 2, 4), "K": (1, 2, 4), "C": (1, 4), "D": 16, "E": 16, "dtype": torch.float32}),
+    bench=BenchSpec(_qk_bench_shapes, _hf_qk_norm_rope, lambda a: (lambda: (a[0].clone(), a[1].clone())),
+                    "clone() of q and k", {"decode_vs_hf": 3.0, "vs_hf": 2.0}, unfused=_unfused_qk_norm_rope))
 OPS_BY_GRAD = {ROPE_NAMES: ROPE, QK_NAMES: QK_NORM_ROPE}
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..args import FLOAT_DTYPES, Choice, Output, Tensor
 from ..backends.pypto_backend import Tiles, UB_BYTES, rows
-from ..op import Backward, Op
+from ..op import Backward, BenchSpec, Op
 
 CAST_MODES = ("hf", "fp32")
 MODES = {"hf": 0, "fp32": 1}
@@ -37,13 +37,25 @@ def _grads(saved, grads):
             "up": (gy * g * sig).to(saved["up"].dtype)}
 
 
+def _bench_shapes(quick, dtype):
+    """GutenOCR-3B's intermediates: text 11008 wide (decode, prefill), vision 3420 wide."""
+    shapes = [("decode", (1, 1, 11008)), ("prefill", (1, 512, 11008))]
+    shapes += [] if quick else [("prefill", (1, 4096, 11008))]
+    shapes += [("vision", (3744, 3420))]
+    gen = torch.Generator().manual_seed(0)
+    return [(phase, shape[-2], ((torch.randn(shape, generator=gen) * 2).to(dtype),
+                                torch.randn(shape, generator=gen).to(dtype), "hf")) for phase, shape in shapes]
+
+
 SWIGLU = Op(swiglu, [
     Tensor("gate", "*R I", FLOAT_DTYPES),
     Tensor("up", "*R I", None, like="gate"),
     Choice("cast_mode", CAST_MODES, default="hf", kw_only=True),
 ], [Output("y")], min_dims={"I": 1}, backward=Backward(("gate", "up"), _grads),
     examples=({"R": (2, 5), "I": 64}, {"R": (3,), "I": 3420, "cast_mode": "fp32"}, {"R": (1, 1), "I": 11008},
-              {"R": (7,), "I": 33, "dtype": torch.float16}, {"R": (4,), "I": 40, "dtype": torch.float32}))
+              {"R": (7,), "I": 33, "dtype": torch.float16}, {"R": (4,), "I": 40, "dtype": torch.float32}),
+    bench=BenchSpec(_bench_shapes, lambda a: (lambda: F.silu(a[0]) * a[1]), lambda a: (lambda: torch.add(a[0], a[1])),
+                    "torch.add(gate, up)", {"vs_hf": 2.0, "vs_compile": 1.2, "floor": 1.3, "min_tokens": 512}))
 
 
 @SWIGLU.impl("cpu")

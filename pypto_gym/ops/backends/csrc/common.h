@@ -87,13 +87,12 @@ inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
 inline V vmaxf(V a, V b) { return _mm512_max_ps(a, b); }
 inline V vabs(V a) { return _mm512_abs_ps(a); }
 inline float vhmax(V a) { return _mm512_reduce_max_ps(a); }
-// exp(x): Cephes' polynomial after x = n ln2 + r; 2^n built as 2^(n-1) * 2 so n = 128 does not overflow early;
-// above 88.7228 it is +inf as expf is; below -87.3 it is clamped (for silu, 1 + that == 1 either way).
+// exp(x): Cephes' polynomial after x = n ln2 + r, scaled by 2^n with vscalefps (which gives +inf past
+// 88.7228 as expf does, and 0 far below); below -87.3 the argument is clamped (for silu, 1 + that == 1).
 inline V vexp(V x) {
-  const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283935546875f), _CMP_GT_OQ);
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  V fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                              _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  V fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   V r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
   r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
   V y = _mm512_set1_ps(1.9875691500E-4f);
@@ -103,10 +102,7 @@ inline V vexp(V x) {
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  __m512i n = _mm512_cvtps_epi32(_mm512_sub_ps(fx, _mm512_set1_ps(1.0f)));
-  V p2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
-  y = _mm512_mul_ps(_mm512_mul_ps(y, p2), _mm512_set1_ps(2.0f));
-  return _mm512_mask_mov_ps(y, over, _mm512_set1_ps(INFINITY));
+  return _mm512_scalef_ps(y, fx);
 }
 struct DAcc {  // 16 double lanes
   __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
