@@ -19,7 +19,7 @@ from pypto_gym.capture import load_cases  # noqa: E402
 from pypto_gym.capture.runner import run_case  # noqa: E402
 from pypto_gym.ops import OPS, registry  # noqa: E402
 from pypto_gym.ops.backends import pypto_backend, pypto_compat  # noqa: E402
-from pypto_gym.ops.defs.rms_norm import pypto_residual_add  # noqa: E402
+from pypto_gym.bench import pypto_kernels, pypto_layer  # noqa: E402
 
 from support import assert_close, op_examples  # noqa: E402
 
@@ -218,10 +218,21 @@ def test_importing_pypto_leaves_the_root_logger_alone():
     assert root.level != logging.DEBUG or before[0] == logging.DEBUG
 
 
-def test_unfused_baseline_add_for_benchmarks():
-    x1, x2 = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
-    assert torch.equal(pypto_residual_add(BACKEND, x1, x2), x1 + x2)
-    assert BACKEND.last_run.estimated_us > 0
+@pytest.mark.parametrize("op,example", [("rms_norm", 0), ("add_rms_norm", 0), ("swiglu", 0), ("rope", 0),
+                                        ("rope", 1), ("rope", 2), ("qk_norm_rope", 0)])
+def test_the_unfused_baselines_compile_verify_and_cost_more_than_the_fused_kernel(op, example):
+    """Every kernel HF eager runs for an op, as bench pypto costs it: compiled, verified, and in sum above
+    the fused kernel (the fusion claim), each with an estimate."""
+    args = OPS[op].example_args(OPS[op].examples[example])
+    total, n, parts = pypto_layer.unfused(op, args)
+    assert n == len(parts) == len(pypto_layer.hf_kernels(op, args)) >= 2
+    assert all(us > 0 for _, us in parts) and BACKEND.last_run.level == "compiled"
+    assert total > pypto_layer.fused_us(op, args)
+
+
+def test_the_copy_kernel_moves_the_bytes_asked_for():
+    small, large = pypto_kernels.copy_us(64 * 2048 * 4, 64), pypto_kernels.copy_us(1024 * 2048 * 4, 1024)
+    assert 0 < small < large
 
 
 # ---- the result cache: never loses a verified result, never trusts a damaged entry, never blocks ----
@@ -294,3 +305,24 @@ def test_a_damaged_entry_is_recomputed_and_overwritten(tmp_path, damage):
         assert entry.is_file() and torch.load(entry, weights_only=True)["run"] == {
             k: v for k, v in vars(BACKEND.last_run).items() if k != "cached"}
     assert torch.equal(again, first)
+
+
+def test_bench_pypto_and_bench_layer_run_and_write_their_json(tmp_path):
+    """Smoke: the commands run on real PyPTO, every goal line is a verdict, the layer table counts launches."""
+    import json
+
+    from pypto_gym.cli import main
+
+    cases = [c for c in json.loads((ROOT / "tests" / "cases" / "tiny_qwen2_5_vl.json").read_text())["test_cases"]
+             if c.get("phase") == "decode"][:2]
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps({"model": "tiny", "test_cases": cases}))
+    assert main(["bench", "pypto", str(path), "--no-documents", "--json", str(tmp_path / "p.json"),
+                 "--png", str(tmp_path / "p.png")]) in (0, 1)
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["est_npu_us"] > 0 and r["copy_us"] > 0 and r["unfused_us"] > 0 for r in rows)
+    assert main(["bench", "layer", "--tokens", "4", "--vision-tokens", "16", "--json", str(tmp_path / "l.json")]) == 0
+    parts = json.loads((tmp_path / "l.json").read_text())["parts"]
+    assert len(parts) == 3
+    for part in parts.values():
+        assert part["totals"]["hf_kernels"] > 5 * part["totals"]["fused_kernels"] == 25

@@ -5,7 +5,7 @@ from .common import BENCH_OUT, POSITIVE, UserError, bench_outputs
 
 
 def add_parser(sub):
-    p = sub.add_parser("bench", help="benchmarks: ops, cases, pypto, e2e, gemm, w8a8 (ratios, JSON, PNG)")
+    p = sub.add_parser("bench", help="benchmarks: ops, cases, pypto, layer, e2e, gemm, w8a8 (ratios, JSON, PNG)")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
     b = bench_sub.add_parser("ops", help="each op vs HF eager, the torch reference and clone()")
     b.add_argument("--dtypes", default="bfloat16", help="comma list of bfloat16,float16,float32")
@@ -52,9 +52,18 @@ def add_parser(sub):
     b.add_argument("file")
     b.add_argument("--tune", action="store_true", help="first tune the tiles per shape class of FILE (rewrites "
                                                          "pypto_gym/ops/backends/pypto_tiling.json; about an hour)")
+    b.add_argument("--no-documents", action="store_true", help="skip the source documents' rms_norm (one process "
+                                                                 "per case)")
     b.add_argument("--json", help=f"default: {BENCH_OUT}/pypto.json")
     b.add_argument("--png", help=f"default: {BENCH_OUT}/pypto.png")
     b.set_defaults(func=cmd_bench_pypto)
+    b = bench_sub.add_parser("layer", help="one GutenOCR-3B layer and vision block: HF's kernels vs the fused ones "
+                                           "on PyPTO's NPU model, with launch counts")
+    b.add_argument("--tokens", type=POSITIVE, default=512, help="prefill tokens of the text layer")
+    b.add_argument("--vision-tokens", type=POSITIVE, default=3744, help="patches of the vision block (3744: the "
+                                                                        "document page)")
+    b.add_argument("--json", help=f"default: {BENCH_OUT}/layer.json")
+    b.set_defaults(func=cmd_bench_layer, png=None)  # a table and its JSON; no plot
 
 
 def cmd_bench_ops(args) -> int:
@@ -107,7 +116,14 @@ def cmd_bench_pypto(args) -> int:
     from ..bench import cases_bench
 
     json_path, png_path = bench_outputs(args, "pypto")
-    return cases_bench.run_pypto(args.file, json_path, png_path, tune=args.tune)
+    return cases_bench.run_pypto(args.file, json_path, png_path, tune=args.tune, documents=not args.no_documents)
+
+
+def cmd_bench_layer(args) -> int:
+    from ..bench import pypto_layer
+
+    json_path, _ = bench_outputs(args, "layer")
+    return pypto_layer.run_layer(args.tokens, args.vision_tokens, json_path)
 
 
 def cmd_bench_gemm(args) -> int:

@@ -285,14 +285,6 @@ def add_rms_norm_kernel(pypto):
     return add_rms_norm
 
 
-def residual_add_kernel(pypto):
-    """Not an op: the unfused add the benchmark compares add_rms_norm with."""
-    def residual_add(x1: pypto.Tensor(), x2: pypto.Tensor(), out: pypto.Tensor(), rows, cols):
-        pypto.set_vec_tile_shapes(rows, cols)
-        out[:] = pypto.add(x1, x2)
-    return residual_add
-
-
 def _pypto_gamma(gamma, x, cast_mode):
     g = vector(gamma, x.shape[-1], x, 1.0)
     return g.to(x.dtype) if cast_mode == "none" else g  # no-cast: everything in x's dtype
@@ -321,11 +313,3 @@ def _(backend, x1, x2, gamma, eps, cast_mode):
                        [rows(x1), rows(x2), _pypto_gamma(gamma, x1, cast_mode)], [y.view(-1, D), x_out.view(-1, D)],
                        [float(eps), 1.0 / D, MODES[cast_mode]])
     return y, x_out
-
-
-def pypto_residual_add(backend, x1, x2):
-    """x1 + x2 as its own PyPTO kernel (sets backend.last_run): the unfused baseline for benchmarks."""
-    out = torch.empty_like(x1, memory_format=torch.contiguous_format)
-    backend.launch("residual_add", residual_add_kernel, x1, [rows(x1), rows(x2)], [out.view(-1, x1.shape[-1])], [])
-    return out
-

@@ -97,16 +97,28 @@ def _(backend, gate, up, cast_mode):
     return backend.torch_npu().npu_swiglu(merged, dim=-1)
 
 
-# ---- pypto: gate * sigmoid(gate) * up (PyPTO 0.2.0 has sigmoid, not silu); elementwise, so tiles may
-# cut a row anywhere: as many columns as four live fp32 tiles fit in the unified buffer.
+# ---- pypto: gate * sigmoid(gate) * up (PyPTO 0.2.0 has sigmoid, not silu). Tiles hold whole rows: a tile
+# that cuts a row gives results PyPTO's own compiled-level check rejects (every split of [64, 11008] and of
+# [256, 3420] tried), so rows wider than the unified buffer holds are not taken.
 LIVE_FP32 = 4  # gate, its sigmoid, their product, up
 
 
-def swiglu_tiles(R: int, I: int) -> Tiles:
-    rows_ = 1 if R <= 1 else 2 if R <= 8 else 4
-    budget = UB_BYTES // (4 * LIVE_FP32 * rows_)
-    cols = min(-(-I // 16) * 16, budget // 16 * 16)
+def swiglu_tiles(R: int, I: int) -> Tiles | None:
+    """Whole rows, as many as fit the unified buffer (up to 4); None when one row does not fit."""
+    cols = -(-I // 16) * 16
+    per_row = 4 * LIVE_FP32 * cols
+    if per_row > UB_BYTES:
+        return None
+    rows_ = 1
+    while rows_ < 4 and rows_ < R and 2 * rows_ * per_row <= UB_BYTES:
+        rows_ *= 2
     return Tiles(rows_, cols)
+
+
+def _pypto_supports(backend, gate, *rest):
+    if swiglu_tiles(1, gate.shape[-1]) is None:
+        return f"a row of {gate.shape[-1]} does not fit PyPTO's unified buffer (whole-row tiles only)"
+    return backend.runs_on(gate)
 
 
 def swiglu_kernel(pypto):
@@ -122,7 +134,7 @@ def swiglu_kernel(pypto):
     return swiglu
 
 
-@SWIGLU.impl("pypto", supports=lambda backend, gate, *rest: backend.runs_on(gate))
+@SWIGLU.impl("pypto", supports=_pypto_supports)
 def _(backend, gate, up, cast_mode):
     y = SWIGLU.empty_outputs(gate, up, cast_mode)
     if gate.numel():
