@@ -1,6 +1,7 @@
 """Shape capture and the test-case pipeline (SPEC 4)."""
 import copy
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,19 @@ def test_captured_shapes_match_the_model(tiny_loaded, sample_inputs):
     assert decode["rtol"] == decode["atol"] == 2 ** -7
 
 
+def test_a_call_above_the_case_cap_is_counted_not_written(tiny_loaded, sample_inputs, monkeypatch, tmp_path):
+    """A case no default `cases run` could load (GutenOCR's int8 lm_head weight) is not written, and said."""
+    from pypto_gym.capture import recorder
+
+    model, _ = tiny_loaded
+    I = model.config.text_config.intermediate_size
+    monkeypatch.setattr(recorder, "MAX_ELEMENTS", 11 * I - 1)  # the prefill MLP's gate (1, S, I) is above it
+    rec = capture(model, sample_inputs)
+    S = sample_inputs["input_ids"].shape[1]
+    assert S * I > 11 * I - 1 and rec.too_large.get("text.mlp", 0) >= 1
+    assert all(math.prod(t["shape"]) <= 11 * I - 1 for c in rec.cases() for t in c["input"].values() if "shape" in t)
+
+
 def test_patched_model_captures_the_same_cases(tiny_loaded, sample_inputs):
     model, _ = tiny_loaded
     plain = capture(model, sample_inputs).cases()
@@ -73,6 +87,20 @@ def test_recapture_is_byte_identical_and_merge_adds_only_new(tiny_loaded, sample
     after = json.loads(a.read_text())["test_cases"]
     assert info["added"] > 0 and after[:len(before)] == before
     assert len({c["id"] for c in after}) == len(after)
+
+
+def test_a_file_written_before_an_argument_existed_merges_with_new_captures(tiny_loaded, sample_inputs, tmp_path):
+    """Cases without the arguments added since (cast_mode) are the same cases as new ones with their defaults."""
+    model, _ = tiny_loaded
+    path = tmp_path / "old.json"
+    capture(model, sample_inputs).save(path, model_name="tiny")
+    doc = json.loads(path.read_text())
+    for case in doc["test_cases"]:
+        if case["input"].get("cast_mode") == {"value": "hf"}:  # as files written before cast_mode was an argument
+            del case["input"]["cast_mode"]
+    path.write_text(json.dumps(doc))
+    assert load_cases(path)  # still valid: a missing argument is its default
+    assert capture(model, sample_inputs).save(path)["added"] == 0
 
 
 def _hook_count(model):
@@ -191,7 +219,7 @@ def test_runner_fails_when_a_backend_is_wrong():
     for op in OPS.values():
         op.impl("wrong")(_two_percent_off(op))
     try:
-        rows = run_file(CASE_FILES[0], "wrong", repeat=1)
+        rows = run_file(ROOT / "tests" / "cases" / "tiny_qwen2_5_vl.json", "wrong", repeat=1)
     finally:
         for op in OPS.values():
             del op.impls["wrong"]
@@ -202,12 +230,18 @@ def test_runner_fails_when_a_backend_is_wrong():
 
 
 def test_committed_case_files_exist():
+    """GutenOCR-3B's real dimensions for every fused op, prefill and decode; each first-class family's file."""
     names = {p.name for p in CASE_FILES}
-    assert {"tiny_qwen2_5_vl.json", "gutenocr_3b.json"} <= names
+    assert {"tiny_qwen2_5_vl.json", "gutenocr_3b.json", "gutenocr_3b_w8a8.json", "tiny_qwen3.json"} <= names
     guten = load_cases(ROOT / "tests" / "cases" / "gutenocr_3b.json")
-    dims = {c["args"][0].shape[-1] for c in guten}
-    assert dims == {2048, 1280}
+    widths = {}
+    for c in guten:
+        widths.setdefault(c["op"], set()).add(c["args"][0].shape[-1])
+    assert widths["rms_norm"] == widths["add_rms_norm"] == {2048, 1280}
+    assert widths["swiglu"] == {11008, 3420} and widths["rope"] == {128, 80}  # text and vision head dims
     assert {c["phase"] for c in guten} == {"prefill", "decode"}
+    qwen3 = load_cases(ROOT / "tests" / "cases" / "tiny_qwen3.json")
+    assert "qk_norm_rope" in {c["op"] for c in qwen3}
 
 
 CASES = [(p, c) for p in CASE_FILES for c in load_cases(p)]

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..ops import OPS, ArgTypeError, ArgValueError, dtype_name
+from ..ops.args import Tensor
 from ..precision import THRESHOLDS
 
 MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's range
@@ -216,5 +217,10 @@ def make_case(cid: str, op, args: tuple, phase: str, sites: list, count: int, se
 
 
 def input_key(case: dict) -> tuple:
-    """What makes two cases the same: op, phase and inputs (not ids, sites or counts)."""
-    return case["op"], case.get("phase"), json.dumps(case["input"], sort_keys=True)
+    """What makes two cases the same: op, phase and inputs (not ids, sites or counts), an input a file leaves
+    out counted as its default (files written before an argument existed merge with new captures)."""
+    op, inputs = OPS.get(case["op"]), case["input"]
+    if op is None:
+        return case["op"], case.get("phase"), json.dumps(inputs, sort_keys=True)
+    full = [inputs.get(a.case) if a.case in inputs or isinstance(a, Tensor) else a.to_case(a.default) for a in op.args]
+    return case["op"], case.get("phase"), json.dumps(full, sort_keys=True)

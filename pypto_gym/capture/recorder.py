@@ -8,17 +8,21 @@ MLP and rotary ops, whatever backend runs them. A model that is not patched is p
 `torch` backend for the recording (bit-identical to the unpatched model) and unpatched afterwards,
 so a capture does not depend on the patch state. The phase is `prefill` for vision sites and for
 a forward that starts from an empty KV cache, `decode` after. Distinct (op, phase, inputs) become
-cases; the sites and call counts are kept.
+cases; the sites and call counts are kept. A call with a tensor above the case loader's cap (GutenOCR's
+int8 lm_head weight, 311M elements) is not written, since no default `cases run` could load it: it is
+counted per site in `too_large` and the capture says so.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import torch
+
 from .. import files
 from ..ops import OPS, dispatch
 from ..patching import api as patching
-from .cases import input_key, load_cases, make_case, read_json
+from .cases import MAX_ELEMENTS, input_key, load_cases, make_case, read_json
 
 PHASE_ORDER = {"prefill": 0, "decode": 1}
 
@@ -41,6 +45,7 @@ class ShapeRecorder:
         self._handle = None
         self._patched_here = False
         self._phase = "prefill"
+        self.too_large: dict[str, int] = {}  # site kind -> calls not recorded (a tensor above MAX_ELEMENTS)
 
     def __enter__(self):
         if patching.patch_report(self.model) is None:
@@ -65,6 +70,9 @@ class ShapeRecorder:
         """One site call (from dispatch.call): filed by op, phase and inputs."""
         kind = stats.site
         phase = "prefill" if kind.startswith("vision") else self._phase
+        if any(isinstance(a, torch.Tensor) and a.numel() > MAX_ELEMENTS for a in args):
+            self.too_large[kind] = self.too_large.get(kind, 0) + 1
+            return
         probe = make_case("", op, args, phase, [kind], 1)
         key = input_key(probe)
         rec = self.records.get(key)

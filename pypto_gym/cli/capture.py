@@ -30,6 +30,7 @@ def requests(args, family) -> list:
 def run(args) -> int:
     from .. import files
     from ..capture import ShapeRecorder, load_cases
+    from ..capture.cases import MAX_ELEMENTS
     from ..inference import generate, resolve_device
 
     family = common.model_family(args)
@@ -52,4 +53,7 @@ def run(args) -> int:
             generate(model, processor, [p for p, _, _ in batch], [im for _, im, _ in batch], args.max_new_tokens)
     info = rec.save(out, model_name=args.model_name, merge=not args.no_merge)
     print(f"{info['cases']} cases in {info['path']} ({info['added']} new)")
+    if rec.too_large:
+        print(f"not recorded (a tensor above the case cap of {MAX_ELEMENTS:,} elements): "
+              + ", ".join(f"{site} x{n}" for site, n in sorted(rec.too_large.items())))
     return 0
