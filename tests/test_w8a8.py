@@ -210,6 +210,19 @@ def test_norm_fed_linears_take_the_norms_int8_rows_in_generate(tiny_loaded):
     assert summary["fallbacks"] == {} and set(summary["ran_on"]) == {"cpu"}
 
 
+def test_rotary_and_mlp_sites_run_their_ops_in_w8a8(tiny_loaded, sample_inputs):
+    """In W8A8 the attention's q/k come from int8 linears fed by a norm's int8 rows: the rotary rewrite's
+    first-call check must still run (it copies the layer's inputs) and accept, and every MLP keep its op."""
+    model = copy.deepcopy(tiny_loaded[0])
+    report = patch_model(model, backend="cpu", quant="w8a8")
+    _logits(model, sample_inputs)
+    rows = [r for r in report.to_json()["sites"] if r["kind"].endswith(("rope", "mlp"))]
+    assert {r["kind"] for r in rows} == {"text.rope", "vision.rope", "text.mlp", "vision.mlp"}
+    for r in rows:
+        assert r["status"] == "patched" and r["calls"] > 0 and not r["fallbacks"], r
+        assert (r.get("rotary") or {}).get("rejected") is None, r
+
+
 def test_weight_bytes_count_a_tied_lm_head_as_kept(tiny_loaded):
     model = copy.deepcopy(tiny_loaded[0])
     assert model.lm_head.weight is model.get_input_embeddings().weight  # the embedded checkpoint ties them

@@ -75,6 +75,14 @@ class QuantRows(torch.Tensor):
                 scale = func(scale, *args)  # row views only: the same view of the per-row scales
         return q, scale
 
+    def __deepcopy__(self, memo):
+        """Independent rows from the same norm (a rewrite's first-call check runs copies of a layer's inputs):
+        the int8 rows, scales and any escaped float cloned, the owner and the smooth scale shared."""
+        rows = self._rows
+        twin = _Rows(rows.q.clone(), rows.scale.clone(), rows.smooth, rows.dtype, rows.owner)
+        twin.float = None if rows.float is None else rows.float.clone()
+        return QuantRows(twin, self._view)
+
     def value(self) -> torch.Tensor:
         """The float tensor this stands for (escapes the rows)."""
         return self._apply(self._rows.escape())
