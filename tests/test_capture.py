@@ -232,7 +232,9 @@ def test_runner_fails_when_a_backend_is_wrong():
 def test_committed_case_files_exist():
     """GutenOCR-3B's real dimensions for every fused op, prefill and decode; each first-class family's file."""
     names = {p.name for p in CASE_FILES}
-    assert {"tiny_qwen2_5_vl.json", "gutenocr_3b.json", "gutenocr_3b_w8a8.json", "tiny_qwen3.json"} <= names
+    from pypto_gym.models import tiny_families
+
+    assert {f"{f.TINY_DIR.name}.json" for f in tiny_families()} | {"gutenocr_3b.json", "gutenocr_3b_w8a8.json"} <= names
     guten = load_cases(ROOT / "tests" / "cases" / "gutenocr_3b.json")
     widths = {}
     for c in guten:
