@@ -229,6 +229,14 @@ def test_runner_fails_when_a_backend_is_wrong():
     assert format_table(rows).splitlines()[-1] == f"0 passed, {len(rows)} failed, 0 not run"
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_case_file_written_before_the_op_definitions_still_runs(backend):
+    """tests/fixtures/cases_before_op_definitions.json is the tiny model's file as the version before ops/defs
+    wrote it (no cast_mode entries, HF argument names): it loads and every case passes."""
+    rows = run_file(ROOT / "tests" / "fixtures" / "cases_before_op_definitions.json", backend, repeat=0)
+    assert len(rows) == 10 and all(r["passed"] for r in rows), [r["reason"] for r in rows if not r["passed"]]
+
+
 def test_committed_case_files_exist():
     """GutenOCR-3B's real dimensions for every fused op, prefill and decode; each first-class family's file."""
     names = {p.name for p in CASE_FILES}
