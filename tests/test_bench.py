@@ -50,13 +50,22 @@ def test_bench_e2e_runs_every_variant(tmp_path):
                "--dtype", "float32", "--quant", "w8a8"])
     data = json.loads((tmp_path / "e.json").read_text())
     assert rc in (0, 1)
-    assert set(data["medians"]) == {"unpatched", "patched torch", "patched cpu", "patched cpu, no fusion",
-                                    "patched cpu, W8A8"}
+    assert set(data["medians"]) == {"unpatched", "patched torch", "patched cpu", "patched cpu, norms only",
+                                    "patched cpu, no fusion", "patched cpu, W8A8"}
     for m in data["medians"].values():
         assert m["prefill_s"] > 0 and m["vision_s"] > 0 and m["new_tokens"] == 2
     assert len(data["goals"]) == 3 and data["dtype"] == "float32"
     w = data["weights"]
     assert w["float_model_bytes"] > 0 and w["w8a8_deployed_bytes"] > 0
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen3", "tiny_llama"])
+def test_bench_e2e_runs_on_a_text_family_checkpoint(family, tmp_path):
+    rc = main(["bench", "e2e", "--model", str(ROOT / "modeling" / family), "--repeats", "1", "--max-new-tokens", "2",
+               "--json", str(tmp_path / "e.json"), "--png", str(tmp_path / "e.png"), "--quant", "w8a8"])
+    data = json.loads((tmp_path / "e.json").read_text())
+    assert rc in (0, 1) and data["model"].endswith(family) and data["image"] is None
+    assert all(m["prefill_s"] > 0 and m["new_tokens"] == 2 for m in data["medians"].values())
 
 
 def test_bench_refuses_bad_arguments(capsys):

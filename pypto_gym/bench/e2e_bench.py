@@ -1,8 +1,8 @@
 """`bench e2e`: what the swap buys end to end, at GutenOCR-3B's dimensions with reduced depth.
 
 One random-weight bf16 model (no download) runs generate on a document-sized image; variants
-(unpatched, patched torch, patched cpu with and without residual fusion) are patched onto the
-same model in turn and measured round-robin (A B C D A B C D ...), so machine noise hits all of
+(unpatched, patched torch, patched cpu: every site, norms only (no MLP or rotary fusion), and no
+residual fusion) are patched onto the same model in turn and measured round-robin (A B C D A B C D ...), so machine noise hits all of
 them alike. Per variant: patch time, vision-encoder time, prefill latency (vision included),
 decode tokens/s, and the process's peak RSS during the run (reset before each run on Linux).
 With `--quant w8a8` a W8A8 variant joins (goal: decode >= 1.2x the unpatched float model), and the
@@ -25,6 +25,7 @@ VARIANTS = {
     "unpatched": None,
     "patched torch": {"backend": "torch"},
     "patched cpu": {"backend": "cpu"},
+    "patched cpu, norms only": {"backend": "cpu", "sites": ["*norm*", "*ln_q"]},
     "patched cpu, no fusion": {"backend": "cpu", "fuse_residual": False},
 }
 
@@ -72,7 +73,10 @@ W8A8_VARIANT = "patched cpu, W8A8"
 
 
 def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quick=False, json_path=None,
-        png_path=None, dtype=None, quant=None) -> int:
+        png_path=None, dtype=None, quant=None, model_path=None) -> int:
+    """GutenOCR-3B dims with random weights, or with `model_path` a checkpoint of any known family (a text
+    family runs its first calibration prompt, no image)."""
+    from .. import models
     from ..inference import default_dtype, generate, open_image
 
     if quick:
@@ -80,14 +84,21 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
     dtype = dtype or default_dtype("cpu")
     config.set_enabled(True)
     print(header("bench e2e"))
-    img = open_image(image or DOCUMENT_IMAGE)
     t0 = time.perf_counter()
-    model, processor = random_model(GUTENOCR_CONFIG, num_layers, vision_depth, dtype)
+    if model_path is None:
+        model, processor = random_model(GUTENOCR_CONFIG, num_layers, vision_depth, dtype)
+        what, multimodal = (f"GutenOCR-3B dims, {num_layers} text layers, {vision_depth} vision blocks, random "
+                            f"weights", True)
+        prompt = "Read the text in the image."
+    else:
+        model, processor, family = models.load(model_path, dtype)
+        what, multimodal = f"{model_path} ({family.NAME})", family.MULTIMODAL
+        prompt = family.CALIBRATION_PROMPTS[0]
     load_s = time.perf_counter() - t0
-    print(f"GutenOCR-3B dims, {num_layers} text layers, {vision_depth} vision blocks, {dtype}, random weights: "
-          f"built in {load_s:.1f} s; image {img.size[0]}x{img.size[1]}; {new_tokens} new tokens; "
+    img = open_image(image or DOCUMENT_IMAGE) if multimodal else None
+    print(f"{what}, {dtype}: loaded in {load_s:.1f} s; "
+          f"{f'image {img.size[0]}x{img.size[1]}' if img else 'no image'}; {new_tokens} new tokens; "
           f"{repeats} interleaved rounds; {torch.get_num_threads()} threads", flush=True)
-    prompt = "Read the text in the image."
     generate(model, processor, [prompt], [img], 2)  # warm-up: allocator, kernel build/load
     variants = dict(VARIANTS)
     if quant:
@@ -104,14 +115,16 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
                     weights["w8a8_deployed_bytes"] = (weights["float_model_bytes"] - q["releasable_float_bytes"]
                                                       + q["int8_weight_bytes"])
             patch_s = time.perf_counter() - tp
-            clock = _VisionClock(model)
+            clock = _VisionClock(model) if img else None
             _reset_peak_rss()
             try:
                 _, n_new, prefill_s, tps = generate(model, processor, [prompt], [img], new_tokens)
             finally:
-                clock.remove()
+                if clock:
+                    clock.remove()
                 unpatch_model(model)
-            samples[name].append({"patch_s": patch_s, "vision_s": clock.total, "prefill_s": prefill_s,
+            samples[name].append({"patch_s": patch_s, "vision_s": clock.total if clock else 0.0,
+                                  "prefill_s": prefill_s,
                                   "decode_tokens_per_s": tps, "peak_rss_mb": _peak_rss_mb(), "new_tokens": n_new})
             print(f"  round {r + 1}/{repeats} {name:<26} prefill {prefill_s * 1e3:8.1f} ms  "
                   f"decode {tps:6.2f} tok/s", flush=True)
@@ -140,9 +153,9 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
               f"{weights['w8a8_deployed_bytes'] / 2 ** 20:.0f} MB (int8 linears + the rest in {dtype}, a tied "
               f"embedding kept); the W8A8 variant's RSS above also holds the float copies kept for unpatch_model")
     print("\n" + "\n".join(goals))
-    result = {"bench": "e2e", "model": "gutenocr_3b dims", "dtype": dtype, "num_layers": num_layers, "weights": weights,
+    result = {"bench": "e2e", "model": str(model_path) if model_path else "gutenocr_3b dims", "dtype": dtype, "num_layers": num_layers, "weights": weights,
               "vision_depth": vision_depth, "machine": hardware.capability(),
-              "image": list(img.size), "new_tokens": new_tokens, "repeats": repeats, "load_s": load_s,
+              "image": list(img.size) if img else None, "new_tokens": new_tokens, "repeats": repeats, "load_s": load_s,
               "threads": torch.get_num_threads(), "medians": med, "samples": samples, "goals": goals}
     if json_path:
         write_json(json_path, result)

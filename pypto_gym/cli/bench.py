@@ -20,6 +20,8 @@ def add_parser(sub):
     b.add_argument("--png", help=f"default: {BENCH_OUT}/ops.png")
     b.set_defaults(func=cmd_bench_ops)
     b = bench_sub.add_parser("e2e", help="end to end at GutenOCR-3B dims: unpatched vs patched variants")
+    b.add_argument("--model", help="a checkpoint of any known family instead of GutenOCR-3B dims (e.g. "
+                                   "modeling/tiny_qwen3; --num-layers/--vision-depth then do not apply)")
     b.add_argument("--num-layers", type=POSITIVE, default=4)
     b.add_argument("--vision-depth", type=POSITIVE, default=4)
     b.add_argument("--repeats", type=POSITIVE, default=3, help="interleaved rounds (median reported)")
@@ -98,7 +100,7 @@ def cmd_bench_e2e(args) -> int:
 
     json_path, png_path = bench_outputs(args, "e2e")
     return e2e_bench.run(args.num_layers, args.vision_depth, args.repeats, args.max_new_tokens, args.image,
-                         args.quick, json_path, png_path, args.dtype, args.quant)
+                         args.quick, json_path, png_path, args.dtype, args.quant, args.model)
 
 
 def cmd_bench_cases(args) -> int:
