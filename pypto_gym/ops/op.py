@@ -49,7 +49,10 @@ class BenchSpec:
     running what HF eager runs (also compiled, as the torch.compile row). floor(args) -> a callable moving
     the same bytes with trivial math (`floor_name` says which). unfused(args, backend): the op's parts on
     that backend's kernels, where fusing is the claim. goals: "vs_hf" (every row), "decode_vs_hf", and
-    "vs_compile" and "floor" (rows of at least "min_tokens" tokens)."""
+    "vs_compile" and "floor" (rows of at least "min_tokens" tokens). hf_kernels(args) -> [(label, kind,
+    inputs, output shape, output dtype, scalars)]: each kernel HF eager launches for one call, as a kind of
+    baseline kernel (bench/pypto_kernels.py: cast, mul, add, mean, add_scalar, rsqrt, neg, cat, silu) that
+    `bench pypto` and `bench layer` cost on PyPTO's NPU model next to the fused op."""
 
     shapes: Callable
     hf: Callable
@@ -57,6 +60,7 @@ class BenchSpec:
     floor_name: str
     goals: dict
     unfused: Callable | None = None
+    hf_kernels: Callable | None = None
 
 
 @dataclass

@@ -151,6 +151,27 @@ def _unfused_add_rms_norm(args, backend):
 
 NORM_GOALS = {"vs_compile": 1.5, "floor": 1.5, "min_tokens": 512}
 
+
+def hf_norm_kernels(x, gamma, prefix=""):
+    """HF's RMSNorm forward, kernel by kernel: to(fp32), pow(2), mean(-1), + eps, rsqrt, mul, to(dtype), weight * h."""
+    x = x.reshape(-1, x.shape[-1])
+    R, D = x.shape
+    gamma = torch.ones(D) if gamma is None else gamma
+    h, v = torch.zeros(R, D), torch.zeros(R, 1)
+    return [(f"{prefix}x.to(float32)", "cast", [x], (R, D), torch.float32, ()),
+            (f"{prefix}h.pow(2)", "mul", [h, h], (R, D), torch.float32, ()),
+            (f"{prefix}.mean(-1)", "mean", [h], (R, 1), torch.float32, (1.0 / D,)),
+            (f"{prefix}variance + eps", "add_scalar", [v], (R, 1), torch.float32, (1e-6,)),
+            (f"{prefix}torch.rsqrt", "rsqrt", [v], (R, 1), torch.float32, ()),
+            (f"{prefix}h * rsqrt", "mul", [h, v], (R, D), torch.float32, ()),
+            (f"{prefix}.to(dtype)", "cast", [h], (R, D), x.dtype, ()),
+            (f"{prefix}weight * h", "mul", [x, gamma.reshape(1, D)], (R, D), x.dtype, ())]
+
+
+def _hf_add_norm_kernels(args):
+    x1, x2, gamma = (a.reshape(-1, a.shape[-1]) if a is not None else None for a in args[:3])
+    return [("residual + hidden", "add", [x1, x2], x1.shape, x1.dtype, ()), *hf_norm_kernels(x1, gamma)]
+
 RMS_NORM = Op(rms_norm, [
     Tensor("x", "*R D", FLOAT_DTYPES, case="hidden_states"),
     Tensor("gamma", "D", case="weight", **GAMMA),
@@ -158,7 +179,8 @@ RMS_NORM = Op(rms_norm, [
     Choice("cast_mode", CAST_MODES, default="hf", kw_only=True),
 ], [Output("y", case="output")], min_dims={"D": 1},
     backward=Backward(("x", "gamma", "eps", "cast_mode"), _rms_norm_grads), examples=EXAMPLES,
-    bench=BenchSpec(_norm_shapes, _hf_rms_norm, lambda a: a[0].clone, "clone()", NORM_GOALS))
+    bench=BenchSpec(_norm_shapes, _hf_rms_norm, lambda a: a[0].clone, "clone()", NORM_GOALS,
+                    hf_kernels=lambda a: hf_norm_kernels(a[0], a[1])))
 
 ADD_RMS_NORM = Op(add_rms_norm, [
     Tensor("x1", "*R D", FLOAT_DTYPES),
@@ -170,7 +192,7 @@ ADD_RMS_NORM = Op(add_rms_norm, [
     backward=Backward(("x_out", "gamma", "eps", "cast_mode"), _add_rms_norm_grads), examples=EXAMPLES,
     bench=BenchSpec(lambda quick, dtype: _norm_shapes(quick, dtype, two=True), _hf_add_rms_norm,
                     lambda a: (lambda: (a[0].clone(), a[1].clone())), "clone() of x1 and x2", NORM_GOALS,
-                    unfused=_unfused_add_rms_norm))
+                    unfused=_unfused_add_rms_norm, hf_kernels=_hf_add_norm_kernels))
 
 
 def _gamma_float(backend, *args):

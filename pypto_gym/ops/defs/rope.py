@@ -29,7 +29,7 @@ import torch
 from ..args import FLOAT_DTYPES, ArgValueError, Choice, Float, Int, Ints, Output, Tensor, dtype_name
 from ..backends.pypto_backend import UB_BYTES, Tiles
 from ..op import Backward, BenchSpec, Op
-from .rms_norm import rms_norm
+from .rms_norm import hf_norm_kernels, rms_norm
 
 CAST_MODES = ("hf", "fp32")
 MODES = {"hf": 0, "fp32": 1}
@@ -208,6 +208,48 @@ def _hf_rope(args):
 
 ROPE_GOALS = {"decode_vs_hf": 3.0, "vs_compile": 1.5, "min_tokens": 512}
 
+
+def _hf_rotate_kernels(x3, cos3, dtype, name):
+    """x * cos + rotate_half(x) * sin for one of q, k as [T, H, D]: mul, neg, cat, mul, add."""
+    T, H, D = x3.shape
+    return [(f"{name} * cos", "mul", [x3, cos3], (T, H, D), dtype, ()),
+            (f"-{name}2", "neg", [x3[..., D // 2:]], (T, H, D // 2), dtype, ()),
+            (f"cat(-{name}2, {name}1)", "cat", [x3], (T, H, D), dtype, ()),
+            (f"rotate_half({name}) * sin", "mul", [x3, cos3], (T, H, D), dtype, ()),
+            (f"{name}_embed = sum", "add", [x3, x3], (T, H, D), dtype, ())]
+
+
+def _hf_kernels(args, norms=()):
+    """HF's rotary functions kernel by kernel: 4.57's MRoPE section merge (a cat each for cos and sin), the vision
+    function's casts to fp32 and back, and the five kernels per tensor of the rotation."""
+    q, k, cos, sin, section, unsqueeze_dim, cast_mode = args
+    merges = []
+    if section:
+        merged = merge_sections(cos, section)
+        rows_ = merged.numel() // merged.shape[-1]
+        merges = [(f"cat {n} sections", "cat", [torch.zeros(rows_, 1, merged.shape[-1])], (rows_, 1, merged.shape[-1]),
+                   cos.dtype, ()) for n in ("cos", "sin")]
+        cos = sin = merged
+    lay = Layout(q, k, cos, sin, (), unsqueeze_dim)
+    T = lay.O * lay.I
+    dtype = torch.float32 if cast_mode == "fp32" else torch.promote_types(q.dtype, cos.dtype)
+    q3, k3 = torch.zeros(T, lay.Hq, lay.D, dtype=dtype), torch.zeros(T, lay.Hk, lay.D, dtype=dtype)
+    cos3 = torch.zeros(T, 1, lay.D, dtype=dtype)
+    casts = back = []
+    if cast_mode == "fp32" and q.dtype != torch.float32:
+        casts = [("q.float()", "cast", [q3.to(q.dtype)], q3.shape, torch.float32, ()),
+                 ("k.float()", "cast", [k3.to(k.dtype)], k3.shape, torch.float32, ())]
+        back = [("q_embed.to(dtype)", "cast", [q3], q3.shape, q.dtype, ()),
+                ("k_embed.to(dtype)", "cast", [k3], k3.shape, k.dtype, ())]
+    return [*norms, *merges, *casts, *_hf_rotate_kernels(q3, cos3, dtype, "q"), *_hf_rotate_kernels(k3, cos3, dtype, "k"),
+            *back]
+
+
+def _hf_qk_kernels(args):
+    q, k, qw, kw, cos, sin, section, _, _, unsqueeze_dim, cast_mode = args
+    norms = hf_norm_kernels(q, qw, "q_norm: ") + hf_norm_kernels(k, kw, "k_norm: ")
+    return _hf_kernels((q, k, cos, sin, section, unsqueeze_dim, cast_mode), norms)
+
 ROPE = Op(rope, [
     Tensor("q", "*Q D", FLOAT_DTYPES, case="query"),
     Tensor("k", "*K D", None, like="q", case="key"),
@@ -219,7 +261,7 @@ ROPE = Op(rope, [
 ], [Output("q_embed"), Output("k_embed")], check=_check_rope, min_dims={"D": 2, "E": 2},
     backward=Backward(ROPE_NAMES, _rope_grads(ROPE_NAMES)), examples=ROPE_EXAMPLES,
     bench=BenchSpec(_bench_shapes, _hf_rope, lambda a: (lambda: (a[0].clone(), a[1].clone())), "clone() of q and k",
-                    ROPE_GOALS))
+                    ROPE_GOALS, hf_kernels=_hf_kernels))
 
 def _qk_bench_shapes(quick, dtype):
     """Qwen3-8B's attention: q [1, 32, S, 128], k [1, 8, S, 128], before their norms."""
@@ -276,7 +318,8 @@ QK_NORM_ROPE = Op(qk_norm_rope, [
               {"Q": (1, 2, 1), "K": (1, 1, 1), "C": (1, 1), "D": 40, "E": 40, "dtype": torch.float16},
               {"Q": (1, 2, 4), "K": (1, 2, 4), "C": (1, 4), "D": 16, "E": 16, "dtype": torch.float32}),
     bench=BenchSpec(_qk_bench_shapes, _hf_qk_norm_rope, lambda a: (lambda: (a[0].clone(), a[1].clone())),
-                    "clone() of q and k", {"decode_vs_hf": 3.0, "vs_hf": 2.0}, unfused=_unfused_qk_norm_rope))
+                    "clone() of q and k", {"decode_vs_hf": 3.0, "vs_hf": 2.0}, unfused=_unfused_qk_norm_rope,
+                    hf_kernels=_hf_qk_kernels))
 OPS_BY_GRAD = {ROPE_NAMES: ROPE, QK_NAMES: QK_NORM_ROPE}
 
 
