@@ -56,6 +56,9 @@ def add_parser(sub):
                                                          "pypto_gym/ops/backends/pypto_tiling.json; about an hour)")
     b.add_argument("--no-documents", action="store_true", help="skip the source documents' rms_norm (one process "
                                                                  "per case)")
+    b.add_argument("--max-elements", type=POSITIVE, help="simulate only cases whose tensors have at most N elements "
+                                                         "(PyPTO's CPU simulation of a document page's MLP takes "
+                                                         "minutes); the others are listed")
     b.add_argument("--json", help=f"default: {BENCH_OUT}/pypto.json")
     b.add_argument("--png", help=f"default: {BENCH_OUT}/pypto.png")
     b.set_defaults(func=cmd_bench_pypto)
@@ -118,7 +121,8 @@ def cmd_bench_pypto(args) -> int:
     from ..bench import cases_bench
 
     json_path, png_path = bench_outputs(args, "pypto")
-    return cases_bench.run_pypto(args.file, json_path, png_path, tune=args.tune, documents=not args.no_documents)
+    return cases_bench.run_pypto(args.file, json_path, png_path, tune=args.tune, documents=not args.no_documents,
+                                 max_elements=args.max_elements)
 
 
 def cmd_bench_layer(args) -> int:
