@@ -251,6 +251,21 @@ def test_the_unfused_baselines_compile_verify_and_cost_more_than_the_fused_kerne
     assert total > pypto_layer.fused_us(op, args)
 
 
+def test_a_worker_process_gets_its_estimate_whatever_output_folder_it_inherits(tmp_path):
+    """bench pypto runs the documents' kernel in a child process, which inherited the parent's PyPTO output
+    folder: PyPTO wrote there, the child looked in its own scratch, and the column was empty."""
+    import json
+    import os
+
+    from pypto_gym.bench import cases_bench
+
+    env = {**os.environ, "TILE_FWK_OUTPUT_DIR": str(tmp_path), "PYPTO_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", cases_bench.DOCUMENTS_WORKER, "1", "2048"], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["us"] > 0
+
+
 def test_the_copy_kernel_moves_the_bytes_asked_for():
     small, large = pypto_kernels.copy_us(64 * 2048 * 4, 64), pypto_kernels.copy_us(1024 * 2048 * 4, 1024)
     assert 0 < small < large

@@ -136,6 +136,7 @@ def build_calculator(progress=True) -> Path:
     mgr = BuildOnlineManager()
     torch_ctx = mgr._TorchContext()
     cmake_ctx = mgr._CMakeContext()
+    cache_dir().mkdir(parents=True, exist_ok=True)  # a fresh PYPTO_GYM_CACHE: nothing made it yet
     staging = Path(tempfile.mkdtemp(prefix="calc-", dir=cache_dir()))
     ctx = mgr._CMakeContext.CompileContext(src_dir=Path(mgr.pkg_lib_dir, "calculator"), tmp_dir=staging)
     ctx.cfg_cmd_ext = (f"-DPY3_MOD_TORCH_VERSION={torch_ctx.torch_version} "
@@ -158,7 +159,8 @@ def build_calculator(progress=True) -> Path:
 
 def ensure_calculator() -> None:
     """Build (once per machine, with a line on stderr) and load PyPTO's calculator, before a kernel
-    call redirects PyPTO's own output to its log."""
+    call redirects PyPTO's own output to its log (output folders set first: apply())."""
+    apply()
     _load_calculator()
 
 
@@ -178,8 +180,11 @@ def apply() -> None:
         return
     check_version()
     scratch = scratch_dir()
+    # Always this process's scratch: the estimate is read from the newest run under it, so a folder
+    # inherited from the environment (a parent pypto-gym process's, as bench pypto's worker processes
+    # had) made PyPTO write elsewhere and every run "left no cost-model output".
     for var in ("TILE_FWK_OUTPUT_DIR", "PYPTO_HOME", "ASCEND_PROCESS_LOG_PATH"):
-        os.environ.setdefault(var, str(scratch))
+        os.environ[var] = str(scratch)
     from pypto import _utils
     from pypto.frontend.parser import entry
 
