@@ -1,10 +1,11 @@
 """`bench e2e`: what the swap buys end to end, at GutenOCR-3B's dimensions with reduced depth.
 
-One random-weight bf16 model (no download) runs generate on a document-sized image; variants
-(unpatched, patched torch, patched cpu: every site, norms only (no MLP or rotary fusion), and no
-residual fusion) are patched onto the same model in turn and measured round-robin (A B C D A B C D ...), so machine noise hits all of
-them alike. Per variant: patch time, vision-encoder time, prefill latency (vision included),
-decode tokens/s, and the process's peak RSS during the run (reset before each run on Linux).
+One random-weight bf16 model (no download) runs generate on a document-sized image (or `--model`: any
+family's checkpoint); variants (unpatched, patched torch, patched cpu: every site, norms only (no MLP
+or rotary fusion), and no residual fusion) are patched onto the same model in turn and measured
+round-robin (A B C D A B C D ...), so machine noise hits all of them alike. Per variant: patch time,
+vision-encoder time, prefill latency (vision included), decode tokens/s, and the process's peak RSS
+during the run (reset before each run on Linux).
 With `--quant w8a8` a W8A8 variant joins (goal: decode >= 1.2x the unpatched float model), and the
 weight bytes a W8A8 deployment needs are reported next to the float model's.
 """
@@ -153,7 +154,8 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
               f"{weights['w8a8_deployed_bytes'] / 2 ** 20:.0f} MB (int8 linears + the rest in {dtype}, a tied "
               f"embedding kept); the W8A8 variant's RSS above also holds the float copies kept for unpatch_model")
     print("\n" + "\n".join(goals))
-    result = {"bench": "e2e", "model": str(model_path) if model_path else "gutenocr_3b dims", "dtype": dtype, "num_layers": num_layers, "weights": weights,
+    result = {"bench": "e2e", "model": str(model_path) if model_path else "gutenocr_3b dims", "dtype": dtype,
+              "num_layers": num_layers, "weights": weights,
               "vision_depth": vision_depth, "machine": hardware.capability(),
               "image": list(img.size) if img else None, "new_tokens": new_tokens, "repeats": repeats, "load_s": load_s,
               "threads": torch.get_num_threads(), "medians": med, "samples": samples, "goals": goals}

@@ -166,8 +166,8 @@ def build(isa: str):
     if module is None:
         with build_lock(folder):
             if not any(folder.glob("*.so")):
-                print(f"pypto-gym: building the fused CPU kernels for {isa} (once per machine, ~1 min)...",
-                      file=sys.stderr, flush=True)
+                print(f"pypto-gym: building the fused CPU kernels for {isa} (once per machine: 30 s to 4 min on "
+                      f"two cores)...", file=sys.stderr, flush=True)
             unity = _write_sources(folder)
             with _package_ninja():
                 module = load(name=name, sources=[str(unity)], build_directory=str(folder),

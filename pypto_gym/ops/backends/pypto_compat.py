@@ -132,7 +132,8 @@ def build_calculator(progress=True) -> Path:
     if lib.exists():
         return lib
     if progress:
-        print("pypto-gym: building PyPTO's CPU calculator (once per machine, ~1 min)...", file=sys.stderr, flush=True)
+        print("pypto-gym: building PyPTO's CPU calculator (once per machine: 20 s to 4 min on two cores)...",
+              file=sys.stderr, flush=True)
     mgr = BuildOnlineManager()
     torch_ctx = mgr._TorchContext()
     cmake_ctx = mgr._CMakeContext()
