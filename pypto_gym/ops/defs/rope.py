@@ -520,14 +520,18 @@ def _from_bsnd(lay, y, target):
     return y4.reshape(target.shape)
 
 
-@ROPE.impl("npu", supports=_npu_rope_supports)
-def _(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode):
+def _npu_rope(backend, q, k, xq, xk, cos, sin, mrope_section, unsqueeze_dim, cast_mode):
+    """xq, xk (q and k, or their norms) rotated on npu; outputs in q's and k's dtypes and layouts."""
     if mrope_section:
         cos, sin = merge_sections(cos, mrope_section), merge_sections(sin, mrope_section)
-    lay = Layout(q, k, cos, sin, (), unsqueeze_dim)
-    out = out_dtypes(q, k, cos, cast_mode)
-    yq, yk = _npu_rotate(backend, lay, cast_mode, out)
+    lay = Layout(xq, xk, cos, sin, (), unsqueeze_dim)
+    yq, yk = _npu_rotate(backend, lay, cast_mode, out_dtypes(q, k, cos, cast_mode))
     return like(q, _from_bsnd(lay, yq, q)), like(k, _from_bsnd(lay, yk, k))
+
+
+@ROPE.impl("npu", supports=_npu_rope_supports)
+def _(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode):
+    return _npu_rope(backend, q, k, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode)
 
 
 def _npu_qk_supports(backend, q, k, qw, kw, cos, sin, mrope_section, q_eps, k_eps, unsqueeze_dim, cast_mode):
@@ -550,12 +554,7 @@ def _(backend, q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps, 
         return y.reshape(x.shape)
 
     qn, kn = norm(q, q_weight, q_eps), norm(k, k_weight, k_eps)
-    if mrope_section:
-        cos, sin = merge_sections(cos, mrope_section), merge_sections(sin, mrope_section)
-    lay = Layout(qn, kn, cos, sin, (), unsqueeze_dim)
-    out = out_dtypes(q, k, cos, cast_mode)
-    yq, yk = _npu_rotate(backend, lay, cast_mode, out)
-    return like(q, _from_bsnd(lay, yq, q)), like(k, _from_bsnd(lay, yk, k))
+    return _npu_rope(backend, q, k, qn, kn, cos, sin, mrope_section, unsqueeze_dim, cast_mode)
 
 
 # ---- pypto: tokens x heads x D tiles --------------------------------------------------------------------
