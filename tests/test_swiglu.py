@@ -81,3 +81,45 @@ def test_the_two_halves_of_a_merged_tensor_are_taken_as_views():
     assert not gate.is_contiguous()
     assert torch.equal(ops.swiglu(gate, up, backend="cpu"), ops.swiglu(gate.contiguous(), up.contiguous(),
                                                                         backend="torch"))
+
+
+# ---- swiglu_dynamic_quant: the W8A8 MLP middle ---------------------------------------------------------
+def test_swiglu_dynamic_quant_hand_worked_example():
+    """One row, fp32: a = silu(gate) * up = [0, 1.4621, -0.8068, 0.8808]; times smooth [1, 1, 2, 1] the
+    row max is |-1.6136| at channel 2, scale = 1.6136 / 127, codes = round(a * s / scale) = [0, 115, -127, 69]."""
+    gate = torch.tensor([[0.0, 1.0, -1.0, 2.0]])
+    up = torch.tensor([[1.0, 2.0, 3.0, 0.5]])
+    smooth = torch.tensor([1.0, 1.0, 2.0, 1.0])
+    y, scale = ops.swiglu_dynamic_quant(gate, up, smooth, backend="torch")
+    amax = 2 * 3 / (1 + math.exp(1))
+    assert float(scale[0]) == pytest.approx(amax / 127, rel=1e-6)
+    assert y.tolist() == [[0, round(1.4621171573 / (amax / 127)), -127, round(0.8807970780 / (amax / 127))]]
+    assert y.tolist() == [[0, 115, -127, 69]]
+
+
+@pytest.mark.parametrize("mode", ["hf", "fp32"])
+def test_swiglu_dynamic_quant_is_the_quantised_hf_activation(mode):
+    """hf: the int8 rows of exactly the tensor HF's down_proj reads (act_fn(gate) * up in bf16), smoothed;
+    fp32: of the unrounded product. Codes against an fp64 formula: at most one apart (the fp32 division)."""
+    torch.manual_seed(4)
+    gate, up = (torch.randn(3, 9, 512) * 3).bfloat16(), torch.randn(3, 9, 512).bfloat16()
+    smooth = torch.rand(512) + 0.5
+    y, scale = ops.swiglu_dynamic_quant(gate, up, smooth, cast_mode=mode, backend="torch")
+    act = ACT2FN["silu"](gate) * up if mode == "hf" else fp64_swiglu(gate, up)
+    n = act.double() * smooth.double()
+    amax = n.abs().amax(-1)
+    assert torch.allclose(scale.double(), amax / 127, rtol=1e-6, atol=0)
+    codes = torch.round(n / (amax / 127).unsqueeze(-1))
+    assert int((y.double() - codes).abs().max()) <= 1 and float((y.double() != codes).double().mean()) < 1e-3
+    assert int(y.abs().amax(-1).min()) == 127  # every row's largest element maps to +-127
+
+
+def test_swiglu_dynamic_quant_zero_row_and_int4():
+    gate, up = torch.zeros(2, 16), torch.randn(2, 16)
+    up[1] = 0
+    gate[1] = torch.randn(16)
+    y, scale = ops.swiglu_dynamic_quant(gate, up, backend="torch")
+    assert scale.tolist() == [0.0, 0.0] and not y.any()
+    torch.manual_seed(5)
+    y4, s4 = ops.swiglu_dynamic_quant(torch.randn(4, 40), torch.randn(4, 40), dst_type="int4", backend="torch")
+    assert int(y4.max()) <= 7 and int(y4.min()) >= -8 and int(y4.abs().amax(-1).min()) == 7

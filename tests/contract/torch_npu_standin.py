@@ -144,6 +144,29 @@ def npu_swiglu(input, dim=-1):
     return OPS["swiglu"].golden(a, b, "fp32")  # computed in fp32, rounded once
 
 
+def npu_swiglu_quant(x, *, smooth_scales=None, offsets=None, group_index=None, activate_left=False, quant_mode=0,
+                     group_list_type=0, dst_type=None):
+    """The documented formula (op-plugin's docs and test golden): swish of one half times the other in fp32,
+    times smooth_scales, dynamic: scale = 127 / row_max|.|, y = round(y * scale)."""
+    calls.append("npu_swiglu_quant")
+    _check(_a2_a3(), "npu_swiglu_quant: Atlas A2/A3 only")
+    _check(x.dim() > 1 and x.shape[-1] % 2 == 0 and x.shape[-1] <= 8192,
+           f"npu_swiglu_quant: x must be >1-D with an even last dim <= 8192, got {tuple(x.shape)}")
+    _check(x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"npu_swiglu_quant: dtype {x.dtype}")
+    _check(quant_mode == 1 and group_index is None and offsets is None, "npu_swiglu_quant: only dynamic, ungrouped "
+           "quantisation is modelled here")
+    _check(dst_type in (None, torch.int8), "npu_swiglu_quant: only int8 is modelled here")
+    _check(smooth_scales is None or (smooth_scales.dtype == torch.float32
+                                     and tuple(smooth_scales.shape) == (x.shape[-1] // 2,)),
+           "npu_swiglu_quant: smooth_scales must be float32 [N]")
+    a, b = x.float().chunk(2, dim=-1)
+    y = torch.nn.functional.silu(a) * b if activate_left else a * torch.nn.functional.silu(b)
+    if smooth_scales is not None:
+        y = y * smooth_scales
+    scale = 127.0 / y.abs().amax(-1)
+    return torch.round(y * scale.unsqueeze(-1)).clamp(-128, 127).to(torch.int8), scale
+
+
 def _rotary(x, r1, r2):
     """r1 * x + r2 * rotate_half(x), computed in fp32 and rounded once to x's dtype."""
     xf = x.float()

@@ -87,6 +87,12 @@ inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
 inline V vmaxf(V a, V b) { return _mm512_max_ps(a, b); }
 inline V vabs(V a) { return _mm512_abs_ps(a); }
 inline float vhmax(V a) { return _mm512_reduce_max_ps(a); }
+// quantisation: round half to even, NaN lanes to 0, bits of the NaN lanes, saturating int32 -> int8 store
+inline V vminf(V a, V b) { return _mm512_min_ps(a, b); }
+inline V vrint(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline V vnan_to_zero(V a) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), a); }
+inline int vnan_bits(V a) { return (int)_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+inline void vstore_i8(int8_t* p, V q) { _mm_storeu_si128((__m128i*)p, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q))); }
 // exp(x): Cephes' polynomial after x = n ln2 + r, scaled by 2^n with vscalefps (which gives +inf past
 // 88.7228 as expf does, and 0 far below); below -87.3 the argument is clamped (for silu, 1 + that == 1).
 inline V vexp(V x) {
@@ -177,6 +183,15 @@ inline float vhmax(V a) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+inline V vminf(V a, V b) { return _mm256_min_ps(a, b); }
+inline V vrint(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline V vnan_to_zero(V a) { return _mm256_and_ps(a, _mm256_cmp_ps(a, a, _CMP_ORD_Q)); }
+inline int vnan_bits(V a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+inline void vstore_i8(int8_t* p, V q) {  // int32 -> int16 -> int8, saturating, in order
+  __m256i i = _mm256_cvtps_epi32(q);
+  __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storel_epi64((__m128i*)p, _mm_packs_epi16(w, w));
 }
 // exp(x): as the AVX-512 version (Cephes' polynomial, 2^(n-1) * 2, +inf above 88.7228, clamped below -87.3)
 inline V vexp(V x) {
@@ -382,8 +397,18 @@ double add_row(const typename X::T* a, const typename X::T* b, typename X::T* o,
 // clamp(rint(v / scale)), half to even; a zero row gets scale 0 and a NaN row scale NaN, both codes 0.
 inline float quantize_row(const float* v, int64_t n, float qmax, float qmin, int8_t* out) {
   float amax = 0.f;
-  bool nan = false;
-  for (int64_t i = 0; i < n; ++i) {
+  int nan = 0;
+  int64_t i = 0;
+#ifdef PG_SIMD
+  V m = vset(0.f);
+  for (; i + W <= n; i += W) {
+    const V a = vabs(vgamma(v + i));
+    nan |= vnan_bits(a);
+    m = vmaxf(m, a);
+  }
+  amax = vhmax(m);
+#endif
+  for (; i < n; ++i) {
     const float a = std::fabs(v[i]);
     nan |= std::isnan(a);
     amax = a > amax ? a : amax;
@@ -393,8 +418,15 @@ inline float quantize_row(const float* v, int64_t n, float qmax, float qmin, int
     std::memset(out, 0, n);
     return scale;
   }
-  for (int64_t i = 0; i < n; ++i) {
-    const float q = std::nearbyint(v[i] / scale);  // half to even under the default rounding mode
+  i = 0;
+#ifdef PG_SIMD
+  const V vs = vset(scale), hi = vset(qmax), lo = vset(qmin);
+  for (; i + W <= n; i += W)  // v / scale as the golden divides (an infinite v over an infinite scale: NaN -> 0)
+    vstore_i8(out + i, vminf(vmaxf(vnan_to_zero(vrint(vdiv(vgamma(v + i), vs))), lo), hi));
+#endif
+  for (; i < n; ++i) {
+    float q = std::nearbyint(v[i] / scale);  // half to even under the default rounding mode
+    q = q != q ? 0.f : q;
     out[i] = (int8_t)(q > qmax ? qmax : (q < qmin ? qmin : q));
   }
   return scale;
