@@ -190,6 +190,25 @@ def test_a_rewrite_that_changes_the_result_is_rejected():
     assert torch.equal(model(x), expected)
 
 
+def test_a_grad_enabled_first_call_is_checked_not_rejected():
+    """A training-style first call passes activations inside an autograd graph (not deep-copyable): the check
+    copies them detached, accepts the rewrite, and gradients still flow through the fused layers."""
+    class Trained(DecoderLikeLayer):  # a distinct class: the verdict is cached per class
+        pass
+
+    model = _randomised(Stack(Trained(), Trained()))
+    reference = _randomised(Stack(Trained(), Trained()))
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(3, 16)
+    pypto_gym.patch_model(model, backend="torch")
+    y = model(nn.functional.linear(x, torch.eye(16, requires_grad=True)))  # not a leaf: inside a graph
+    assert pypto_gym.patch_report(model).to_json()["fusion_skipped"] == []
+    assert pypto_gym.patch_report(model).to_json()["summary"]["fused_layers"] == 2
+    y.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert torch.allclose(y, reference(x), rtol=1e-5, atol=1e-6)
+
+
 def test_the_check_does_not_charge_the_sites_or_fire_hooks():
     class Checked(DecoderLikeLayer):
         pass

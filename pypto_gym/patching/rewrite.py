@@ -187,14 +187,21 @@ def _tensors(obj):
             yield from _tensors(o)
 
 
+def _copy(obj):
+    """A deep copy of a call's inputs for the check, which runs without grad: a tensor inside an autograd graph
+    (a grad-enabled forward's activations), which deepcopy refuses, is copied as a detached clone."""
+    memo = {id(t): t.detach().clone() for t in _tensors(obj) if t.requires_grad and not t.is_leaf}
+    return copy.deepcopy(obj, memo)
+
+
 def _compare_forwards(rewrite: RewrittenForward, args, kwargs) -> tuple[float, float]:
     """(max abs difference, max abs value) between the original and rewritten outputs, same inputs and RNG."""
     module = rewrite.module
     with _reference_and_no_hooks(module), torch.no_grad(), torch.random.fork_rng(devices=[]):
         rng = torch.random.get_rng_state()
-        ref = list(_tensors(rewrite.original(*copy.deepcopy(args), **copy.deepcopy(kwargs))))
+        ref = list(_tensors(rewrite.original(*_copy(args), **_copy(kwargs))))
         torch.random.set_rng_state(rng)
-        got = list(_tensors(rewrite.function(module, *copy.deepcopy(args), **copy.deepcopy(kwargs))))
+        got = list(_tensors(rewrite.function(module, *_copy(args), **_copy(kwargs))))
     if len(ref) != len(got) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(ref, got)):
         return float("inf"), 0.0
     diff = scale = 0.0
