@@ -136,6 +136,21 @@ def test_zero_row_gives_scale_zero_and_codes_zero():
     assert scale[0] == 0 and torch.all(y[0] == 0) and not torch.isnan(scale).any()
 
 
+def test_dynamic_quant_worked_example_and_fp64():
+    """npu_dynamic_quant's documented formula by hand: x = [2, -4, 1, 0.5] * smooth [1, 0.5, 2, 1] = [2, -2, 2,
+    0.5], scale = 2 / 127, codes = round([127, -127, 127, 31.75]) = [127, -127, 127, 32]; then against fp64."""
+    x = torch.tensor([[2.0, -4.0, 1.0, 0.5]], dtype=torch.bfloat16)
+    y, scale = ops.dynamic_quant(x, torch.tensor([1.0, 0.5, 2.0, 1.0], dtype=torch.bfloat16), backend="torch")
+    assert y.tolist() == [[127, -127, 127, 32]] and float(scale[0]) == pytest.approx(2 / 127, rel=1e-7)
+    torch.manual_seed(4)
+    x, s = torch.randn(5, 7, 300).bfloat16(), (0.5 + torch.rand(300)).bfloat16()
+    y, scale = ops.dynamic_quant(x, s, backend="torch")
+    n = x.double() * s.double()
+    exact = n.abs().amax(-1) / 127
+    assert max_rel_err(scale, exact) < 1e-6
+    assert (y.double() - n / exact.unsqueeze(-1)).abs().max() <= 0.5 + 1e-3
+
+
 def test_pack_int4_layout_low_nibble_first():
     q = torch.tensor([[1, -2, 7, -8]], dtype=torch.int8)
     assert ops.pack_int4(q).tolist() == [[(1 | (0xE << 4)) - 256, (7 | (0x8 << 4)) - 256]]

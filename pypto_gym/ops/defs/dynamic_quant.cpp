@@ -1,0 +1,49 @@
+// dynamic_quant (defs/dynamic_quant.py): x (times the smooth scale) quantised per row, in one pass per row
+// through a per-thread fp32 scratch row.
+#include "common.h"
+
+namespace {
+
+std::vector<at::Tensor> dynamic_quant_entry(const at::Tensor& x_in, const c10::optional<at::Tensor>& smooth_in,
+                                            double qmax, double qmin) {
+  const int64_t D = x_in.size(-1);
+  auto row_shape = x_in.sizes().vec();
+  row_shape.pop_back();
+  at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  at::Tensor scale = at::empty(row_shape, x.options().dtype(at::kFloat));
+  if (x.numel() == 0) return {y, scale};
+  at::Tensor smooth;
+  if (smooth_in.has_value()) smooth = smooth_in->reshape({D}).contiguous();
+  const int64_t R = x.numel() / D;
+  int8_t* yp = y.data_ptr<int8_t>();
+  float* scp = scale.data_ptr<float>();
+  dispatch_dtype(x.scalar_type(), [&](auto xt) {
+    using X = decltype(xt);
+    using T = typename X::T;
+    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+    const T* sp = smooth.defined() ? reinterpret_cast<const T*>(smooth.data_ptr()) : nullptr;
+    at::parallel_for(0, R, grain_for(D), [&](int64_t begin, int64_t end) {
+      std::unique_ptr<float[]> n(new float[D]);
+      for (int64_t r = begin; r < end; ++r) {
+        const T* xr = xp + r * D;
+        int64_t i = 0;
+#ifdef PG_SIMD
+        for (; i + W <= D; i += W) {
+          const V v = vload<X>(xr + i);
+          vstore<F32>(n.get() + i, sp ? vmul(v, vload<X>(sp + i)) : v);
+        }
+#endif
+        for (; i < D; ++i) n[i] = sp ? X::load(xr[i]) * X::load(sp[i]) : X::load(xr[i]);
+        scp[r] = quantize_row(n.get(), D, (float)qmax, (float)qmin, yp + r * D);
+      }
+    });
+  });
+  return {y, scale};
+}
+
+}  // namespace
+
+PG_KERNELS(dynamic_quant) {
+  m.def("dynamic_quant", &dynamic_quant_entry, "dynamic_quant(x, smooth, qmax, qmin) -> (y int8, scale)");
+}
