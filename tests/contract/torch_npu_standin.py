@@ -144,6 +144,23 @@ def npu_swiglu(input, dim=-1):
     return OPS["swiglu"].golden(a, b, "fp32")  # computed in fp32, rounded once
 
 
+def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None):
+    """The documented formula: scale = rowMax(|x * smooth|) / DTYPE_MAX, y = round(x * smooth / scale)."""
+    calls.append("npu_dynamic_quant")
+    _check(_a2_a3(), "npu_dynamic_quant: Atlas A2/A3 only")
+    _check(x.dim() > 1 and x.numel() > 0, f"npu_dynamic_quant: x must be non-empty and >1-D, got {tuple(x.shape)}")
+    _check(x.dtype in (torch.float16, torch.bfloat16), f"npu_dynamic_quant: dtype {x.dtype}")
+    _check(group_index is None, "npu_dynamic_quant: grouped (MoE) smooth scales are not modelled here")
+    _check(smooth_scales is None or (smooth_scales.dtype in (torch.float16, torch.bfloat16)
+                                     and tuple(smooth_scales.shape) == (x.shape[-1],)),
+           "npu_dynamic_quant: smooth_scales must be fp16/bf16 [D]")
+    int4 = dst_type == torch.quint4x2
+    _check(dst_type in (None, torch.int8) or int4, f"npu_dynamic_quant: dst_type {dst_type}")
+    _check(not int4 or x.shape[-1] % 8 == 0, "npu_dynamic_quant: int4 needs the last dim divisible by 8")
+    y, scale = OPS["dynamic_quant"].golden(x, smooth_scales, "int4" if int4 else "int8")
+    return (pack_int4_to_int32(y) if int4 else y), scale
+
+
 def npu_swiglu_quant(x, *, smooth_scales=None, offsets=None, group_index=None, activate_left=False, quant_mode=0,
                      group_list_type=0, dst_type=None):
     """The documented formula (op-plugin's docs and test golden): swish of one half times the other in fp32,
