@@ -22,6 +22,7 @@ from pypto_gym.ops import OPS
 from pypto_gym.ops.quantize import quantize_rows
 from pypto_gym.patching import PatchError
 from pypto_gym.quant import activations, calibration
+from pypto_gym.quant.plan import own_input_linears
 import pypto_gym.quant.linear as quant_linear
 
 
@@ -179,15 +180,15 @@ def test_every_int8_linear_does_the_int8_math(tiny_loaded, sample_inputs, calib_
     _logits(model, sample_inputs)
     for h in handles:
         h.remove()
-    assert len(qls) == 34
+    assert len(qls) == 51  # every linear: 33 fed by the norms (lm_head too), 8 down_proj by the MLPs, 10 by themselves
     for ql in qls:
         x_q, x_scale, bias, y = seen[id(ql.w_q)]
         x = inputs_seen[ql.path].float()
         inv = torch.ones(x.shape[-1]) if ql.inv_smooth is None else ql.inv_smooth
-        assert (ql.inv_smooth is not None) == (smoothed and ql.source is not None)
+        assert (ql.inv_smooth is not None) == smoothed
         _check_rows_quantised(x_q, x_scale, x * inv, f"{ql.path} activations")
         w = ql.module.weight.detach().double()
-        s = torch.ones(w.shape[1]) if ql.source is None or ql.source.smooth is None else ql.source.smooth
+        s = torch.ones(w.shape[1]) if ql.inv_smooth is None else 1 / ql.inv_smooth.float()
         _check_rows_quantised(ql.w_q, ql.w_scale, w * s.double(), f"{ql.path} weights")
         _, gold = golden_matmul(x_q, ql.w_q, x_scale, ql.w_scale, bias)
         rel = (y.detach().double() - gold).abs() / gold.abs().clamp(min=1e-3)
@@ -202,8 +203,8 @@ def test_norm_fed_linears_take_the_norms_int8_rows_in_generate(tiny_loaded):
     rows = {r["path"]: r for r in report.to_json()["w8a8"]["linears"] if r["became"] == "w8a8"}
     assert rows["lm_head"]["handed_over"] == rows["lm_head"]["calls"] == 4  # a slice of the last position
     for path, r in rows.items():
-        if "merger" in path:
-            assert r["quantized_here"] == r["calls"] >= 1 and r["handed_over"] == 0  # 4 rows regrouped into one
+        if r["input"].startswith("quantised per row here"):  # o_proj, attn.proj, the merger's (4 rows regrouped)
+            assert r["quantized_here"] == r["calls"] >= 1 and r["handed_over"] == 0, path
         else:
             assert r["handed_over"] == r["calls"] >= 1 and r["quantized_here"] == 0, path
     summary = report.to_json()["summary"]
@@ -338,7 +339,10 @@ def test_calibration_is_deterministic_and_follows_the_smoothquant_formula(tiny_l
     model = tiny_loaded[0]
     expected = {p: m.weight.shape[0] for p, m in model.named_modules() if p.endswith(("norm", "norm1", "norm2",
                                                                                        "layernorm"))}
-    scales, _ = calibration.load(calib_file, expected)
+    mlps = {p: m.down_proj.in_features for p, m in model.named_modules() if hasattr(m, "down_proj")}
+    own = {p: m.in_features for p, m in own_input_linears(model)}
+    assert len(mlps) == 8 and len(own) == 10  # 4 o_proj, 4 vision attn.proj, the merger's mlp.0 and mlp.2
+    scales, _ = calibration.load(calib_file, {**expected, **mlps, **own})
     # the formula, from the absmax a recorder collects on the same run
     with calibration.Calibrator(model) as rec:  # the CLI's default images
         for image in (SAMPLE_IMAGE, DOCUMENT_IMAGE):
@@ -351,15 +355,30 @@ def test_calibration_is_deterministic_and_follows_the_smoothquant_formula(tiny_l
     other = calibration.smooth_scales(model, rec.absmax, 0.8)[path]
     want = rec.absmax[path].double() ** 0.8 / wmax.double() ** 0.2
     assert float(((other.double() - want).abs() / want).max()) < 1e-5
-    assert set(scales) == set(expected) - {"model.visual.merger.ln_q"}  # ln_q's linear reads regrouped rows
+    # ln_q's linear reads its rows regrouped: that linear (merger.mlp.0) has its own scale
+    assert set(scales) == set(expected) - {"model.visual.merger.ln_q"} | set(mlps) | set(own)
+    # an MLP's: from the max |down_proj input| (silu(gate) * up) and down_proj's weight columns
+    path = "model.language_model.layers.1.mlp"
+    wmax = model.get_submodule(path).down_proj.weight.detach().abs().amax(0).float()
+    want = rec.absmax[path].double().sqrt() / wmax.double().sqrt()
+    assert float(((scales[path].double() - want).abs() / want).max()) < 1e-5
+    mlp = model.get_submodule(path)
+    with torch.no_grad():
+        x = torch.randn(3, mlp.gate_proj.in_features).to(mlp.gate_proj.weight.dtype)
+        act = (mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)).abs().amax(0).float()
+    with calibration.Calibrator(model) as probe:
+        with torch.no_grad():
+            mlp(x)
+    assert torch.equal(probe.absmax[path], act)  # what the hook records is down_proj's input
 
 
 @pytest.mark.parametrize("damage,match", [
     ("nan", r"tensor 'model.language_model.norm.smooth_scale' has 1 values that are not finite and positive"),
     ("zero", r"'model.language_model.norm.smooth_scale' has 1 values that are not finite and positive"),
     ("wrong_d", r"tensor 'model.language_model.norm.smooth_scale' is float32 \[64\]; expected float32 \[128\]"),
-    ("extra", r"tensor 'model.other.norm.smooth_scale' names no quantised norm of this model"),
-    ("missing", r"no tensor 'model.language_model.norm.smooth_scale' for norm"),
+    ("extra", r"tensor 'model.other.norm.smooth_scale' names no norm, MLP or linear this model quantises"),
+    ("missing", r"no tensor 'model.language_model.norm.smooth_scale' for model.language_model.norm \(1 of 35 "
+                r"smooth scales missing"),
     ("fp16", r"'model.language_model.norm.smooth_scale' is float16 \[128\]"),
     ("not_safetensors", "not a safetensors file"),
     ("format", "metadata format None"),
@@ -437,7 +456,8 @@ def test_capture_in_w8a8_mode_records_quant_cases_that_pass_on_cpu(tiny_loaded, 
     cases = load_cases(out)
     ops_seen = {c["op"] for c in cases}
     # rms_norm: the merger's ln_q (its linear reads regrouped rows); quant_matmul: every int8 linear's real shapes
-    assert {"rms_norm", "rms_norm_dynamic_quant", "add_rms_norm_dynamic_quant", "quant_matmul"} <= ops_seen
+    assert {"rms_norm", "rms_norm_dynamic_quant", "add_rms_norm_dynamic_quant", "swiglu_dynamic_quant",
+            "quant_matmul"} <= ops_seen
     matmuls = [c for c in cases if c["op"] == "quant_matmul"]
     assert {tuple(c["args"][1].shape) for c in matmuls} >= {(128, 128), (640, 128)}  # q_proj's and lm_head's weights
     assert {"text.q_proj", "text.lm_head", "vision.qkv", "vision.mlp.0"} <= {s for c in matmuls for s in c["sites"]}
@@ -487,7 +507,7 @@ def test_hooks_editing_in_place_are_honoured_in_w8a8(tiny_loaded, sample_inputs,
         got = w8a8(**sample_inputs).logits.float()
     assert float(torch.nn.functional.cosine_similarity(want.flatten(), got.flatten(), 0)) > 0.999
     bypassed = [r["quant"]["bypassed"] for r in report.to_json()["sites"] if r.get("quant")]
-    assert any("hooks on the norm or a consumer" in why for b in bypassed for why in b)  # visible in the report
+    assert any("hooks on the producer or a consumer" in why for b in bypassed for why in b)  # visible in the report
 
 
 def test_a_calibration_file_for_the_whole_model_serves_a_sites_subset(tiny_loaded, calib_file):
@@ -495,5 +515,31 @@ def test_a_calibration_file_for_the_whole_model_serves_a_sites_subset(tiny_loade
     report = patch_model(model, backend="cpu", quant="w8a8", calibration=calib_file, sites="text.*")
     q = report.to_json()["w8a8"]
     assert q["calibration_ignored"] and all(p.startswith("model.visual") for p in q["calibration_ignored"])
-    assert "smooth scales ignored, for norms this patch does not quantise" in str(report)
+    assert "smooth scales ignored, for norms and MLPs this patch does not quantise" in str(report)
     assert all(r["smoothed"] for r in q["linears"] if r["became"] == "w8a8" and "visual" not in r["path"])
+
+
+def test_float_linears_keeps_a_producers_linears_float_together(tiny_loaded, sample_inputs):
+    """The recipe option: text.q_proj names q_proj; k_proj and v_proj read the same norm's rows, so the norm
+    emits float rows and all three stay float (said per linear and per norm); everything else stays int8."""
+    model = copy.deepcopy(tiny_loaded[0])
+    report = patch_model(model, backend="cpu", quant="w8a8", float_linears="text.q_proj,*.merger.mlp.2")
+    q = report.to_json()["w8a8"]
+    rows = {r["path"]: r for r in q["linears"]}
+    attn = "model.language_model.layers.2.self_attn"
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert rows[f"{attn}.{name}"]["became"] == "bfloat16"
+        assert "float_linears keeps" in rows[f"{attn}.{name}"]["input"]
+    assert rows[f"{attn}.o_proj"]["became"] == rows["model.visual.merger.mlp.0"]["became"] == "w8a8"
+    assert rows["model.visual.merger.mlp.2"]["input"] == "float_linears keeps it in the model dtype"
+    assert q["summary"]["int8"] == 51 - 12 - 1
+    assert {"path": "model.language_model.layers.2.input_layernorm",
+            "reason": f"float_linears keeps {attn}.q_proj in the model dtype"} in q["skipped_producers"]
+    logits = _logits(model, sample_inputs)
+    assert torch.isfinite(logits).all() and rows[f"{attn}.o_proj"]["became"] == "w8a8"
+    assert report.to_json()["w8a8"]["summary"]["fallbacks"] == 0
+    with pytest.raises(ValueError, match=r"float_linears: 'text.o_prj' matched none of the model's 51 linears; "
+                                         r"expected a glob over their kinds \(text.down_proj"):
+        patch_model(copy.deepcopy(tiny_loaded[0]), backend="cpu", quant="w8a8", float_linears="text.o_prj")
+    with pytest.raises(ValueError, match="float_linears: given without quant='w8a8'"):
+        patch_model(copy.deepcopy(tiny_loaded[0]), backend="cpu", float_linears="text.q_proj")

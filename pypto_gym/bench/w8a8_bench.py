@@ -11,7 +11,10 @@ per-row math of this toolkit) and `_weight_int8pack_mm` (int8 weights, bf16 acti
 w8a8: logits of the same model in its float dtype vs W8A8 without and with SmoothQuant
 smoothing, on the embedded checkpoint and at GutenOCR-3B's dimensions (random weights), each
 also as an "outlier" variant whose norms have a few gamma channels scaled 30-100x (as real LLMs'
-activations have). Calibration and evaluation use different prompts.
+activations have). Calibration and evaluation use different prompts. With a recipe
+(`float_linears`), a fourth column: SmoothQuant at alpha 0.5 with those linears kept in the model
+dtype. With `sensitivity`, each outlier model again once per kind of linear kept float (the linears
+reading one producer's rows go together): how much of the error each kind carries.
 """
 from __future__ import annotations
 
@@ -171,7 +174,7 @@ def compare(ref: list, got: list) -> dict:
             "positions": int(cos.numel())}
 
 
-def run_accuracy(quick: bool, json_path, png_path) -> int:
+def run_accuracy(quick: bool, json_path, png_path, recipe=None, sensitivity: bool = False) -> int:
     from ..inference import default_dtype, generate, open_image
     from ..models.qwen2_5_vl import CALIBRATION_PROMPTS, DOCUMENT_IMAGE, GUTENOCR_CONFIG, SAMPLE_IMAGE, TINY_DIR, load, \
         random_model
@@ -199,47 +202,85 @@ def run_accuracy(quick: bool, json_path, png_path) -> int:
                 for prompt, image in calib_inputs:
                     generate(model, processor, [prompt], [open_image(image)], 2)
             names = [f"{p} | {Path(i).name}" for p, i in calib_inputs]
+            runs = [(_label(alpha), alpha, None) for alpha in SMOOTHING]
+            runs += [(RECIPE, 0.5, recipe)] if recipe else []
+            if sensitivity and variant == "outliers":
+                runs += [(f"alpha 0.5, {kind} float", 0.5, kind) for kind in _linear_kinds(model)]
             with tempfile.TemporaryDirectory() as tmp:
-                for alpha in SMOOTHING:
+                for label, alpha, keep in runs:
                     calib = None
                     if alpha is not None:
                         calib = Path(tmp) / f"smooth_{alpha}.safetensors"
-                        scales = calibration.smooth_scales(model, rec.absmax, alpha)
-                        calibration.save(calib, scales, alpha, model.config.model_type, names)
-                    with patched(model, backend="cpu", quant="w8a8", calibration=calib):
+                        if not calib.exists():
+                            scales = calibration.smooth_scales(model, rec.absmax, alpha)
+                            calibration.save(calib, scales, alpha, model.config.model_type, names)
+                    with patched(model, backend="cpu", quant="w8a8", calibration=calib, float_linears=keep) as report:
                         got = _eval_logits(model, processor, eval_inputs)
-                    row = {"model": model_name, "variant": variant, "smoothing": _label(alpha), "dtype": dtype,
-                           **compare(ref, got)}
+                        s = report.to_json()["w8a8"]["summary"]
+                    row = {"model": model_name, "variant": variant, "smoothing": label, "dtype": dtype,
+                           "float_linears": keep, "int8_linears": f"{s['int8']}/{s['linears']}", **compare(ref, got)}
                     rows.append(row)
-                    print(f"{model_name:<46} {variant:<9} {row['smoothing']:<13} "
+                    print(f"{model_name:<46} {variant:<9} {label:<28} {row['int8_linears']:>5} int8  "
                           f"cosine mean {row['cosine_mean']:.5f} min {row['cosine_min']:.5f} "
                           f"top-1 {row['top1_agreement'] * 100:5.1f}% ({row['positions']} positions)", flush=True)
     goals = []
     for model_name in builders:
         pick = {(r["variant"], r["smoothing"]): r for r in rows if r["model"] == model_name}
         n = pick[("outliers", _label(None))]
-        for alpha in SMOOTHING[1:]:
-            s = pick[("outliers", _label(alpha))]
+        for label in [_label(a) for a in SMOOTHING[1:]] + ([RECIPE] if recipe else []):
+            s = pick[("outliers", label)]
             goals.append(goal_line(s["cosine_mean"] >= 0.99 and s["cosine_mean"] > n["cosine_mean"],
-                                   f"{model_name}, outliers, {_label(alpha)}: cosine {s['cosine_mean']:.4f} (goal >= "
+                                   f"{model_name}, outliers, {label}: cosine {s['cosine_mean']:.4f} (goal >= "
                                    f"0.99), without smoothing {n['cosine_mean']:.4f} (goal: smoothing better)"))
     print("\n" + "\n".join(goals))
     write_json(json_path, {"bench": "w8a8", "machine": hardware.capability(), "eval_inputs": len(eval_inputs),
                            "calibration_inputs": len(calib_inputs), "keep_positions": KEEP_POSITIONS,
-                           "outlier_factors": OUTLIER_FACTORS, "rows": rows, "goals": goals})
+                           "outlier_factors": OUTLIER_FACTORS, "recipe": recipe, "rows": rows, "goals": goals})
     print(f"JSON written to {json_path}")
     print(save_plot(png_path, lambda plt: _plot_accuracy(plt, rows)))
     return 0 if all(g.startswith("PASS") for g in goals) else 1
+
+
+RECIPE = "alpha 0.5 + float_linears"
 
 
 def _label(alpha) -> str:
     return "no smoothing" if alpha is None else f"alpha {alpha}"
 
 
+def _linear_kinds(model) -> list:
+    """Every kind of linear of the model, one per group kept float together (q_proj stands for k_proj and
+    v_proj: they read one norm's rows)."""
+    from ..quant.linear import linear_kind
+
+    by_kind = {}
+    for path, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            by_kind.setdefault(linear_kind(path), []).append(m)
+    groups = {}
+    for kind in sorted(by_kind):
+        producers = frozenset(id(_producer_group(model, m)) for m in by_kind[kind])
+        groups.setdefault(producers, kind)
+    return list(groups.values())
+
+
+def _producer_group(model, linear):
+    """The module whose rows `linear` reads together with its siblings (a norm or an MLP), else itself."""
+    from ..patching.norm import NORMS
+    from ..quant.plan import linears_after
+
+    for cand in NORMS.candidates(model, None):
+        if not cand.reason and any(m is linear for _, m in linears_after(model, cand)[0]):
+            return cand.module
+    return linear
+
+
 def _plot_accuracy(plt, rows):
+    rows = [r for r in rows if not r["smoothing"].endswith(" float")]  # the sensitivity runs are in the JSON
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     labels = [f"{r['model'].split(' (')[0]}\n{r['variant']}, {r['smoothing']}" for r in rows]
     palette = {_label(a): c for a, c in zip(SMOOTHING, ("tab:red", "tab:green", "tab:olive"))}
+    palette[RECIPE] = "tab:blue"
     colors = [palette[r["smoothing"]] for r in rows]
     axes[0].bar(range(len(rows)), [1 - r["cosine_mean"] for r in rows], color=colors)
     axes[0].set_yscale("log")
@@ -250,5 +291,6 @@ def _plot_accuracy(plt, rows):
     for ax in axes:
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels(labels, fontsize=6, rotation=60, ha="right")
-    fig.suptitle("W8A8 vs the float model: no smoothing (red), SmoothQuant alpha 0.5 (green) and 0.75 (olive)")
+    fig.suptitle("W8A8 vs the float model: no smoothing (red), SmoothQuant alpha 0.5 (green) and 0.75 (olive), "
+                 "alpha 0.5 with the recipe's float linears (blue)")
     return fig

@@ -47,6 +47,10 @@ def add_parser(sub):
     b.set_defaults(func=cmd_bench_gemm)
     b = bench_sub.add_parser("w8a8", help="W8A8 accuracy vs the float model, with and without smoothing")
     b.add_argument("--quick", action="store_true", help="one image, one GutenOCR layer")
+    b.add_argument("--float-linears", default=None,
+                   help="a recipe column: alpha 0.5 with these linear kinds/paths kept in the model dtype")
+    b.add_argument("--sensitivity", action="store_true",
+                   help="also each outlier model with one kind of linear kept float at a time")
     b.add_argument("--json", help=f"default: {BENCH_OUT}/w8a8.json")
     b.add_argument("--png", help=f"default: {BENCH_OUT}/w8a8.png")
     b.set_defaults(func=cmd_bench_w8a8)
@@ -143,6 +147,6 @@ def cmd_bench_w8a8(args) -> int:
     from ..bench import w8a8_bench
 
     json_path, png_path = bench_outputs(args, "w8a8")
-    return w8a8_bench.run_accuracy(args.quick, json_path, png_path)
+    return w8a8_bench.run_accuracy(args.quick, json_path, png_path, args.float_linears, args.sensitivity)
 
 

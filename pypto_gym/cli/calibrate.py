@@ -37,6 +37,7 @@ def run(args) -> int:
     inputs = [f"{label} | {prompt}" if label else prompt for prompt, _, label in todo]
     calibration.save(out, scales, args.alpha, getattr(model.config, "model_type", "?"), inputs)
     spread = [float(s.max() / s.min()) for s in scales.values()]
-    print(f"{len(scales)} norms calibrated (alpha={args.alpha}) on {len(todo)} inputs; max/min smooth scale per "
-          f"norm: median {sorted(spread)[len(spread) // 2]:.1f}, largest {max(spread):.1f}; written to {out}")
+    mlps = sum(1 for p in scales if p.endswith("mlp"))
+    print(f"{len(scales)} producers calibrated ({len(scales) - mlps} norms, {mlps} MLPs; alpha={args.alpha}) on "
+          f"{len(todo)} inputs; max/min smooth scale per producer: median {sorted(spread)[len(spread) // 2]:.1f}, largest {max(spread):.1f}; written to {out}")
     return 0

@@ -128,6 +128,9 @@ def add_patch_args(ap):
                     help="with --use_pto: int8 weights and activations for the model's linears")
     ap.add_argument("--calibration", default=None,
                     help="with --quant w8a8: smooth scales from `calibrate` (default: no smoothing)")
+    ap.add_argument("--float-linears", default=None,
+                    help="with --quant w8a8: globs over linear kinds or paths kept in the model dtype, e.g. "
+                         "'text.o_proj,vision.proj' (default: every linear int8)")
     ap.add_argument("--allow-fallback", action="store_true",
                     help="with a --backend that cannot run here: run on torch (counted in the report) instead of "
                          "refusing")
@@ -148,6 +151,8 @@ def patch_options(args) -> dict | None:
         raise UserError("--calibration: given without --quant w8a8")
     if args.calibration is not None and not Path(args.calibration).is_file():
         raise UserError(f"--calibration: no file at {args.calibration}")
+    if args.float_linears is not None and args.quant is None:
+        raise UserError("--float-linears: given without --quant w8a8")
     if not use:
         if args.quant is not None:
             raise UserError("--quant: needs patching on (--use_pto or USE_PTO_RMS_NORM=1)")
@@ -160,7 +165,8 @@ def patch_options(args) -> dict | None:
     fuse = args.fuse_residual if args.fuse_residual is not None else options.default_fuse_residual()
     sites = options.parse_sites(args.sites, "--sites") if args.sites is not None else options.default_sites()
     return {"backend": backend, "sites": sites, "fuse_residual": fuse, "quant": args.quant,
-            "calibration": args.calibration, "sites_from": "--sites" if args.sites is not None else "PYPTO_GYM_SITES"}
+            "calibration": args.calibration, "float_linears": options.parse_sites(args.float_linears, "--float-linears"),
+            "sites_from": "--sites" if args.sites is not None else "PYPTO_GYM_SITES"}
 
 
 def refuse_backend_that_cannot_run(args, options, device: str) -> None:

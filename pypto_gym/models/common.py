@@ -17,6 +17,7 @@ TEXT_LINEARS_AFTER_NORM = {
     "text.post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
     "text.norm": ("<lm_head>",),
 }
+TEXT_OWN_INPUT = ("self_attn.o_proj",)  # W8A8: the decoder linear whose input no fused op produces
 TEXT_PROMPTS = ["Write a sentence about tensors.", "What is an RMS norm?", "Count from one to ten.",
                 "Describe the weather in one line."]  # calibration prompts of the text-only families
 

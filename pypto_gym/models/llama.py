@@ -6,7 +6,7 @@ weights from a fixed seed.
 """
 from __future__ import annotations
 
-from .common import (MODELING_DIR, TEXT_LINEARS_AFTER_NORM, TEXT_PROMPTS, TextProcessor, build_text_tiny,
+from .common import (MODELING_DIR, TEXT_LINEARS_AFTER_NORM, TEXT_OWN_INPUT, TEXT_PROMPTS, TextProcessor, build_text_tiny,
                      from_pretrained)
 
 NAME = "llama"
@@ -16,7 +16,7 @@ TINY_DIR = MODELING_DIR / "tiny_llama"
 IMAGES: tuple = ()
 CALIBRATION_PROMPTS = TEXT_PROMPTS
 W8A8_LINEARS = TEXT_LINEARS_AFTER_NORM  # the linears that read each norm kind's rows
-W8A8_REGROUPED: dict = {}
+W8A8_OWN_INPUT = TEXT_OWN_INPUT  # ... and the one that quantises its own input
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 CHAT_TEMPLATE = ("<|begin_of_text|>{% for message in messages %}<|start_header_id|>{{ message['role'] }}"
                  "<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>{% endfor %}"

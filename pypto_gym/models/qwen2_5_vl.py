@@ -11,7 +11,7 @@ import copy
 import json
 from pathlib import Path
 
-from .common import (MODELING_DIR, TEXT_LINEARS_AFTER_NORM, check_model_dir, from_pretrained, randomise_norms,
+from .common import (MODELING_DIR, TEXT_LINEARS_AFTER_NORM, TEXT_OWN_INPUT, check_model_dir, from_pretrained, randomise_norms,
                      save_tokenizer, save_weights, train_tokenizer)
 
 NAME = "qwen2_5_vl"
@@ -33,9 +33,10 @@ W8A8_LINEARS = {
     "vision.norm1": ("attn.qkv",),
     "vision.norm2": ("mlp.gate_proj", "mlp.up_proj"),
 }
-# ...and those that read a norm's output regrouped (the merger folds 4 rows of 1280 into one of 5120):
-# their rows are not the norm's rows, so they quantise their input themselves.
-W8A8_REGROUPED = {"vision.merger.ln_q": ("mlp.0",)}
+# ...and, by path suffix, those whose input no fused op produces, which quantise it themselves
+# (dynamic_quant): o_proj and the vision attn.proj (after attention), the merger's mlp.0 (ln_q's rows
+# regrouped, 4 of 1280 as one of 5120) and mlp.2 (after its GELU).
+W8A8_OWN_INPUT = (*TEXT_OWN_INPUT, "attn.proj", "merger.mlp.0", "merger.mlp.2")
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",

@@ -8,7 +8,7 @@ config).
 from __future__ import annotations
 
 from . import qwen2_5_vl
-from .common import TEXT_LINEARS_AFTER_NORM, check_model_dir, from_pretrained
+from .common import TEXT_LINEARS_AFTER_NORM, TEXT_OWN_INPUT, check_model_dir, from_pretrained
 
 NAME = "qwen2_vl"
 MODEL_TYPES = ("qwen2_vl",)
@@ -17,7 +17,7 @@ TINY_DIR = None
 IMAGES = qwen2_5_vl.IMAGES
 CALIBRATION_PROMPTS = qwen2_5_vl.CALIBRATION_PROMPTS
 W8A8_LINEARS = TEXT_LINEARS_AFTER_NORM  # the vision tower's norms are LayerNorms: no int8 rows there
-W8A8_REGROUPED: dict = {}
+W8A8_OWN_INPUT = TEXT_OWN_INPUT  # the vision tower stays float with its LayerNorms
 
 
 def load(path, dtype="auto", device="cpu"):

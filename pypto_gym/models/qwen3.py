@@ -5,7 +5,7 @@ hidden 128, 4 heads of 32 and 2 KV heads, a ChatML template; random weights from
 """
 from __future__ import annotations
 
-from .common import (MODELING_DIR, TEXT_LINEARS_AFTER_NORM, TEXT_PROMPTS, TextProcessor, build_text_tiny,
+from .common import (MODELING_DIR, TEXT_LINEARS_AFTER_NORM, TEXT_OWN_INPUT, TEXT_PROMPTS, TextProcessor, build_text_tiny,
                      from_pretrained)
 
 NAME = "qwen3"
@@ -15,7 +15,7 @@ TINY_DIR = MODELING_DIR / "tiny_qwen3"
 IMAGES: tuple = ()
 CALIBRATION_PROMPTS = TEXT_PROMPTS
 W8A8_LINEARS = TEXT_LINEARS_AFTER_NORM  # the linears that read each norm kind's rows
-W8A8_REGROUPED: dict = {}
+W8A8_OWN_INPUT = TEXT_OWN_INPUT  # ... and the one that quantises its own input
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -92,7 +92,7 @@ def _say_unavailable(state: PatchState) -> None:
 
 def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, fuse_residual: bool | None = None,
                 cast_mode: str = "hf", quant: str | None = None, calibration=None,
-                strict: bool | None = None) -> PatchReport:
+                strict: bool | None = None, float_linears=None) -> PatchReport:
     """Swap every site of `model` (RMSNorms, SwiGLU MLPs, rotary embeddings) for the fused ops; returns
     the live report.
 
@@ -106,6 +106,8 @@ def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, 
       (pypto_gym.quant); None (default) keeps them float.
     calibration: with quant, a smooth-scale file from `pypto-gym calibrate` (SmoothQuant); without one,
       no smoothing (the report says so).
+    float_linears: with quant, globs over linear kinds or paths ("text.o_proj,vision.proj", or a list) kept
+      in the model dtype; the linears reading one norm's or MLP's rows stay float together.
     strict: this patch's sites raise instead of falling back (None: the process-wide switch).
     Patching an already patched model with the same options returns its report and changes
     nothing; with other options it raises (unpatch first). A model that contains a patched
@@ -114,7 +116,7 @@ def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: got {type(model).__name__}; expected a torch.nn.Module")
     config.STATE.load()
-    options = PatchConfig.make(backend, sites, fuse_residual, cast_mode, quant, calibration, strict)
+    options = PatchConfig.make(backend, sites, fuse_residual, cast_mode, quant, calibration, strict, float_linears)
     existing = model.__dict__.get(_STATE_ATTR)
     if existing is not None:
         if not existing.options.same(options):

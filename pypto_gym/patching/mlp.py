@@ -38,7 +38,8 @@ class MlpSite(Site):
 
     def __init__(self, cand: Candidate, options):
         super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
-        self.call = SWIGLU.bind(options.backend, self.stats, cast_mode="fp32" if options.cast_mode == "fp32" else "hf")
+        self.cast_mode = "fp32" if options.cast_mode == "fp32" else "hf"
+        self.call = SWIGLU.bind(options.backend, self.stats, cast_mode=self.cast_mode)
         self.bypassed: dict[str, int] = {}
         self.quant = None  # W8A8 (pypto_gym.quant): int8 gate/up in, int8 rows out to an int8 down_proj
 

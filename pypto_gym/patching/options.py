@@ -55,16 +55,20 @@ class PatchConfig:
     quant: str | None
     calibration: str | None
     strict: bool | None
+    float_linears: tuple | None = None  # with quant: globs of linears (kinds or paths) kept in the model dtype
     sites_from: str = "sites"  # what a selection matching nothing is blamed on
 
     @classmethod
     def make(cls, backend=None, sites=None, fuse_residual=None, cast_mode="hf", quant=None, calibration=None,
-             strict=None) -> "PatchConfig":
+             strict=None, float_linears=None) -> "PatchConfig":
         """The validated options; every refusal names the argument."""
         if quant is not None and quant not in QUANT_MODES:
             raise ValueError(f"quant: got {quant!r}; expected None or one of {', '.join(map(repr, QUANT_MODES))}")
         if calibration is not None and quant is None:
             raise ValueError("calibration: given without quant='w8a8'; smooth scales only apply to int8 linears")
+        float_linears = parse_sites(float_linears, "float_linears")
+        if float_linears is not None and quant is None:
+            raise ValueError("float_linears: given without quant='w8a8'; without it every linear is float")
         backend = registry.default_backend() if backend is None else registry.check_name(backend)
         sites_from = "sites" if sites is not None else "PYPTO_GYM_SITES"
         sites = default_sites() if sites is None else parse_sites(sites)
@@ -77,7 +81,7 @@ class PatchConfig:
         if strict is not None:
             strict = config.parse_bool("strict", strict)
         return cls(backend, sites, fuse_residual, cast_mode, quant, None if calibration is None else str(calibration),
-                   strict, sites_from)
+                   strict, float_linears, sites_from)
 
     def same(self, other: "PatchConfig") -> bool:
         return self.to_json() == other.to_json()
@@ -86,6 +90,7 @@ class PatchConfig:
         d = asdict(self)
         d.pop("sites_from")
         d["sites"] = None if self.sites is None else list(self.sites)
+        d["float_linears"] = None if self.float_linears is None else list(self.float_linears)
         return d
 
     def describe(self) -> str:

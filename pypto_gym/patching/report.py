@@ -92,16 +92,16 @@ class PatchReport:
 def _w8a8_lines(q: dict) -> list[str]:
     s = q["summary"]
     smoothing = f"smooth scales from {q['calibration']}" if q["smoothing"] else "no smoothing (no calibration file)"
-    lines = [f"W8A8: {s['int8']}/{s['linears']} linears int8 ({s['quant_norms']} norms emit int8 rows), {smoothing}; "
+    lines = [f"W8A8: {s['int8']}/{s['linears']} linears int8 ({s['quant_norms']} norms and {s['quant_mlps']} MLPs emit int8 rows), {smoothing}; "
              f"int8 rows handed over x{s['handed_over']}, quantised in the linear x{s['quantized_here']}, "
              f"fallbacks={s['fallbacks']}; weights of the int8 linears {s['float_weight_bytes'] / 2 ** 20:.1f} MB "
              f"float -> {s['int8_weight_bytes'] / 2 ** 20:.1f} MB int8 (float copies kept for unpatch_model; "
              f"{s['releasable_float_bytes'] / 2 ** 20:.1f} MB of them not shared with other modules)"]
-    for r in q["skipped_norms"]:
-        lines.append(f"norm {r['path']} stays float: {r['reason']}")
+    for r in q["skipped_producers"]:
+        lines.append(f"{r['path']} emits float rows: {r['reason']}")
     ignored = q["calibration_ignored"]
     if ignored:
-        lines.append(f"calibration: {len(ignored)} smooth scales ignored, for norms this patch does not quantise "
+        lines.append(f"calibration: {len(ignored)} smooth scales ignored, for norms and MLPs this patch does not quantise "
                      f"({', '.join(ignored[:3])}{', ...' if len(ignored) > 3 else ''})")
     w = max([len(r["path"]) for r in q["linears"]] + [20])
     header = f"{'linear':<{w}} {'became':<9} {'backend':<10} {'calls':>6}  input / fallbacks"

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map
 
+from ..patching.site import has_hooks
+
 _aten = torch.ops.aten
 _ROW_VIEWS = {_aten.slice.Tensor, _aten.select.int}  # views that keep whole rows (not on the last dim)
 _ALIASES = {_aten.detach.default, _aten.alias.default}
@@ -106,5 +108,41 @@ class QuantRows(torch.Tensor):
 
 
 def issue(q: torch.Tensor, scale: torch.Tensor, smooth, dtype, owner) -> QuantRows:
-    """The output of a quant norm: int8 rows `q` [..., D], per-row `scale`, standing for q * scale * smooth."""
+    """The output of a quant op: int8 rows `q` [..., D], per-row `scale`, standing for q * scale * smooth."""
     return QuantRows(_Rows(q, scale, smooth, dtype, owner))
+
+
+class Producer:
+    """What every producer of int8 rows for int8 linears shares (a quant norm, a quant MLP): its consumers,
+    the smooth scale its rows stand for, the calls it could not hand over and why, and the hand-over.
+
+    `inv_smooth` is what the fused quant op multiplies its rows by (1/s of SmoothQuant) or None without
+    calibration; `smooth` = exactly 1/inv_smooth in fp32: the rows are scaled back by it, and the
+    consumers' weights scaled by it.
+    """
+
+    def __init__(self, inv_smooth: torch.Tensor | None):
+        self.inv_smooth = inv_smooth
+        self.smooth = None if inv_smooth is None else 1.0 / inv_smooth.float()
+        self.consumers: list[str] = []
+        self.consumer_modules: list[torch.nn.Module] = []
+        self.bypassed: dict[str, int] = {}
+
+    def row(self) -> dict:
+        return {"int8_to": list(self.consumers), "smoothed": self.inv_smooth is not None,
+                "bypassed": dict(self.bypassed)}
+
+    def count(self, reason: str) -> None:
+        self.bypassed[reason] = self.bypassed.get(reason, 0) + 1
+
+    def hand_over(self, q, scale, dtype, *hooked_modules) -> torch.Tensor:
+        """The rows as QuantRows for the consumers, or as the float tensor they stand for where a hand-over
+        could not be exact: in a traced graph (plain tensors only), or with hooks on the producer or a
+        consumer (they see, and may change, a real float tensor)."""
+        y = issue(q, scale, self.smooth, dtype, self)
+        if torch.compiler.is_compiling():
+            return y.value()
+        if any(has_hooks(m) for m in (*hooked_modules, *self.consumer_modules)):
+            self.count("hooks on the producer or a consumer: float rows handed on")
+            return y.value()
+        return y

@@ -1,17 +1,21 @@
-"""SmoothQuant calibration: per-channel smooth scales for the norms whose outputs feed int8 linears.
+"""SmoothQuant calibration: per-channel smooth scales for every int8 linear's input.
 
-Activation outliers sit in a few channels of a norm's output; per-row int8 quantisation then
-spends its 255 levels on them and the other channels round to a handful of codes. SmoothQuant
-(Xiao et al., 2023) moves part of that range into the weights: for each channel j,
-s_j = max|X_j|^alpha / max|W_j|^(1 - alpha), the norm's quant op multiplies its rows by 1/s
-(its smooth scale) and every linear reading them gets W * s, which leaves X @ W^T unchanged in
-exact arithmetic. max|X_j| is collected at each norm's output while the float model generates on real
-inputs; max|W_j| is over all the norm's consumer linears.
+Activation outliers sit in a few channels; per-row int8 quantisation then spends its 255 levels on
+them and the other channels round to a handful of codes. SmoothQuant (Xiao et al., 2023) moves part
+of that range into the weights: for each channel j, s_j = max|X_j|^alpha / max|W_j|^(1 - alpha), the
+quant op producing the int8 rows multiplies them by 1/s (its smooth scale) and every linear reading
+them gets W * s, which leaves X @ W^T unchanged in exact arithmetic. One scale per source of rows:
+each norm whose output feeds int8 linears (max|W_j| over all of them), each SwiGLU MLP, whose
+activation feeds its int8 down_proj (the widest outliers of a decoder: silu(gate) * up multiplies two
+large values), and each linear that quantises its own input (o_proj, the vision attn.proj, the
+merger's linears), whose dynamic_quant multiplies by 1/s as the fused ops do.
 
-A calibration file is safetensors: one fp32 tensor `<norm path>.smooth_scale` of shape [D] per
-norm, and one metadata entry: a JSON string with the format, alpha, model type and the inputs used. The same model
-and inputs give the same bytes. Loading checks every tensor against the model and names the one that is
-wrong. max|X_j| is collected by `Calibrator`'s hooks at each norm's output while the float model runs.
+A calibration file is safetensors: one fp32 tensor `<path>.smooth_scale` ([D] for a norm, [I] for an
+MLP, [in_features] for a linear) per source, and one metadata entry: a JSON string with the format,
+alpha, model type and the inputs used. The same model and inputs give the same bytes. Loading checks
+every tensor against the model and names the one that is wrong. max|X_j| is collected by
+`Calibrator`'s hooks (at each norm's output, each MLP's down_proj input, each such linear's input)
+while the float model runs.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "pypto_gym-smoothquant-1"
+FORMAT = "pypto_gym-smoothquant-2"  # 2: MLP activations and the linears' own inputs too (1 had norms only)
 SUFFIX = ".smooth_scale"
 META_KEY = "pypto_gym"
 FLOOR = 1e-5  # a channel that never fired, or an all-zero weight column, gets s = 1 instead of 0 or inf
@@ -32,20 +36,30 @@ MAX_METADATA_BYTES = 64 * 1024  # the JSON entry: format, alpha, model type, inp
 
 
 class Calibrator:
-    """`with Calibrator(model) as cal: generate(...)`: per-channel max |output| of every norm of the float
-    model (the activations its int8 linears will read), collected by forward hooks."""
+    """`with Calibrator(model) as cal: generate(...)`: per-channel max |activation| of every producer of the
+    float model (the rows its int8 linears will read), collected by forward hooks: a norm's output, an
+    MLP's down_proj input."""
 
     def __init__(self, model):
         self.model = model
-        self.absmax: dict = {}  # norm path -> per-channel max |output| (fp32, [D])
+        self.absmax: dict = {}  # producer path -> per-channel max |activation| (fp32, [D])
         self._handles = []
 
     def __enter__(self):
+        from ..patching.mlp import MLPS
         from ..patching.norm import NORMS
+        from .plan import own_input_linears
 
         for cand in NORMS.candidates(self.model, None):
             if not cand.reason:
-                self._handles.append(cand.module.register_forward_hook(self._hook(cand.path)))
+                self._handles.append(cand.module.register_forward_hook(
+                    lambda m, args, out, path=cand.path: self._record(path, out[0] if isinstance(out, tuple) else out)))
+        for cand in MLPS.candidates(self.model, None):
+            if not cand.reason:
+                self._handles.append(cand.module.down_proj.register_forward_pre_hook(
+                    lambda m, args, path=cand.path: self._record(path, args[0])))
+        for path, linear in own_input_linears(self.model):
+            self._handles.append(linear.register_forward_pre_hook(lambda m, args, path=path: self._record(path, args[0])))
         return self
 
     def __exit__(self, *exc):
@@ -54,18 +68,25 @@ class Calibrator:
         self._handles.clear()
         return False
 
-    def _hook(self, path):
-        def hook(module, args, output):
-            y = output[0] if isinstance(output, tuple) else output
-            m = y.detach().abs().reshape(-1, y.shape[-1]).amax(0).to(torch.float32).cpu()
-            self.absmax[path] = m if path not in self.absmax else torch.maximum(self.absmax[path], m)
-        return hook
+    def _record(self, path, y):
+        m = y.detach().abs().reshape(-1, y.shape[-1]).amax(0).to(torch.float32).cpu()
+        self.absmax[path] = m if path not in self.absmax else torch.maximum(self.absmax[path], m)
+
+
+def _smooth(absmax: torch.Tensor, weights, alpha: float) -> torch.Tensor:
+    """s = max|X_j|^alpha / max|W_j|^(1 - alpha), W_j over every consumer's column j; 1 where either is 0."""
+    a = absmax.to(torch.float32).cpu()
+    w = torch.stack([w.detach().abs().amax(0).to(torch.float32).cpu() for w in weights]).amax(0)
+    s = a.clamp(min=FLOOR).pow(alpha) / w.clamp(min=FLOOR).pow(1.0 - alpha)
+    return torch.where((a > 0) & (w > 0), s, torch.ones_like(s)).contiguous()
 
 
 def smooth_scales(model, absmax: dict, alpha: float) -> dict:
-    """{norm path: s [D] fp32} for every recorded norm that has consumer linears."""
+    """{path: s fp32} for every recorded norm that has consumer linears, every recorded MLP and every recorded
+    linear that quantises its own input."""
+    from ..patching.mlp import MLPS
     from ..patching.norm import NORMS
-    from .plan import linears_after
+    from .plan import linears_after, own_input_linears
 
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha: got {alpha}; expected a number in [0, 1]")
@@ -74,12 +95,14 @@ def smooth_scales(model, absmax: dict, alpha: float) -> dict:
         if cand.reason or cand.path not in absmax:
             continue
         found, _ = linears_after(model, cand)
-        if not found:
-            continue
-        a = absmax[cand.path].to(torch.float32).cpu()
-        w = torch.stack([lin.weight.detach().abs().amax(0).to(torch.float32).cpu() for _, lin in found]).amax(0)
-        s = a.clamp(min=FLOOR).pow(alpha) / w.clamp(min=FLOOR).pow(1.0 - alpha)
-        out[cand.path] = torch.where((a > 0) & (w > 0), s, torch.ones_like(s)).contiguous()
+        if found:
+            out[cand.path] = _smooth(absmax[cand.path], [lin.weight for _, lin in found], alpha)
+    for cand in MLPS.candidates(model, None):
+        if not cand.reason and cand.path in absmax:
+            out[cand.path] = _smooth(absmax[cand.path], [cand.module.down_proj.weight], alpha)
+    for path, linear in own_input_linears(model):
+        if path in absmax:
+            out[path] = _smooth(absmax[path], [linear.weight], alpha)
     return out
 
 
@@ -98,10 +121,10 @@ def save(path, scales: dict, alpha: float, model_type: str, inputs: list[str]) -
 
 
 def load(path, expected: dict, model_type: str | None = None, known=()) -> tuple[dict, list]:
-    """({norm path: s}, [ignored norm paths]) from a calibration file, checked against `expected`
-    {norm path: D} (the norms being quantised) and the model type. Tensors for `known` norms of the
-    model that are not being quantised (a `sites=` subset) are ignored and listed; a tensor naming
-    a module the model does not have is refused."""
+    """({producer path: s}, [ignored paths]) from a calibration file, checked against `expected`
+    {producer path: D} (the norms and MLPs being quantised) and the model type. Tensors for `known`
+    producers of the model that are not being quantised (a `sites=` subset) are ignored and listed; a
+    tensor naming a module the model does not have is refused."""
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load as load_bytes
 
@@ -128,12 +151,12 @@ def load(path, expected: dict, model_type: str | None = None, known=()) -> tuple
             ignored.append(norm)
             continue
         if norm not in expected:
-            raise ValueError(f"{where}: tensor {name!r} names no quantised norm of this model (a file made for "
-                             f"another model? this one's norms are like {examples})")
+            raise ValueError(f"{where}: tensor {name!r} names no norm, MLP or linear this model quantises (a file "
+                             f"made for another model? this one's are like {examples})")
         D = expected[norm]
         if t.dtype != torch.float32 or tuple(t.shape) != (D,):
             raise ValueError(f"{where}: tensor {name!r} is {str(t.dtype).replace('torch.', '')} "
-                             f"{list(t.shape)}; expected float32 [{D}] (the hidden size of {norm})")
+                             f"{list(t.shape)}; expected float32 [{D}] (the width of {norm}'s rows)")
         bad = ~torch.isfinite(t) | (t <= 0)
         if bad.any():
             first = int(bad.nonzero()[0, 0])
@@ -143,8 +166,8 @@ def load(path, expected: dict, model_type: str | None = None, known=()) -> tuple
         out[norm] = t
     missing = sorted(set(expected) - set(out))
     if missing:
-        raise ValueError(f"{where}: no tensor {missing[0] + SUFFIX!r} for norm {missing[0]} ({len(missing)} of "
-                         f"{len(expected)} norms missing; a file made for another model?)")
+        raise ValueError(f"{where}: no tensor {missing[0] + SUFFIX!r} for {missing[0]} ({len(missing)} of "
+                         f"{len(expected)} smooth scales missing; a file made for another model?)")
     return out, ignored
 
 
@@ -160,8 +183,9 @@ def _metadata(where: str, metadata: dict) -> dict:
         info = None
     fmt = info.get("format") if isinstance(info, dict) else None
     if fmt != FORMAT:
+        old = " (format 1 calibrated the norms only: run scripts/calibrate.py again)" if fmt == FORMAT[:-1] + "1" else ""
         raise ValueError(f"{where}: metadata format {fmt!r}; expected {FORMAT!r} (a file written by "
-                         f"scripts/calibrate.py)")
+                         f"scripts/calibrate.py){old}")
     alpha = info.get("alpha")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
         raise ValueError(f"{where}: metadata alpha {alpha!r}; expected a number in [0, 1]")

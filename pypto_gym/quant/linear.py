@@ -41,16 +41,19 @@ def linear_kind(path: str) -> str:
 
 
 class QuantLinear(SwappedForward):
-    """One int8 linear: where it is, whose int8 rows it reads (`source`, a QuantNorm, or None), counters."""
+    """One int8 linear: where it is, whose int8 rows it reads (`source`, an activations.Producer, or None: it
+    quantises its input itself, smoothed by its own `inv_smooth`), counters."""
 
     SLOT = _SLOT
 
-    def __init__(self, path: str, module: torch.nn.Linear, source, backend: str, why: str):
+    def __init__(self, path: str, module: torch.nn.Linear, source, backend: str, why: str, inv_smooth=None):
         super().__init__(module)
         self.path, self.source, self.why = path, source, why
         self.backend = backend
-        smooth = None if source is None else source.smooth
-        self.inv_smooth = None if source is None or source.inv_smooth is None else source.inv_smooth.float()
+        # what a float input is multiplied by before it is quantised here: the producer's 1/s (rows that
+        # escaped) or this linear's own; the weight is quantised from W * s with s = exactly 1 / inv_smooth
+        self.inv_smooth = source.inv_smooth if source is not None else inv_smooth
+        smooth = None if self.inv_smooth is None else 1.0 / self.inv_smooth.float()
         self.w_q, self.w_scale = quantize_weight(module.weight, smooth)
         self.stats = Stats(site=linear_kind(path))  # a recorder files its quant_matmul calls under it
         self.float_weight_shared = False  # the float weight is also another module's (tied embeddings)
@@ -61,7 +64,8 @@ class QuantLinear(SwappedForward):
         m, stats = self.module, self.stats
         return {"path": self.path, "in_features": m.in_features, "out_features": m.out_features, "became": "w8a8",
                 "input": self.why, "smoothed": self.inv_smooth is not None,
-                "backend": stats.backend or self.backend, "calls": stats.calls, "ran_on": dict(stats.ran),
+                "backend": stats.backend or self.backend, "calls": self.handed_over + self.quantized_here,
+                "ran_on": dict(stats.ran),  # op calls: quant_matmul, and dynamic_quant where quantised here
                 "fallbacks": dict(stats.fallbacks), "handed_over": self.handed_over,
                 "quantized_here": self.quantized_here,
                 "float_weight_bytes": m.weight.numel() * m.weight.element_size(),
@@ -70,7 +74,7 @@ class QuantLinear(SwappedForward):
 
 
 def quant_linear_forward(module, x):
-    """The forward of every QuantLinear: the norm's int8 rows if they were handed over, else x quantised here."""
+    """The forward of every QuantLinear: the producer's int8 rows if they were handed over, else x quantised here."""
     ql = module.__dict__[_SLOT]
     if not _STATE.enabled:
         return ql.original(x)
@@ -80,8 +84,7 @@ def quant_linear_forward(module, x):
         if got is None:
             x = x.value()  # escaped, or another norm's rows: quantise the float values they stand for
     if got is None:
-        xf = x.to(torch.float32)
-        q, scale = quantize_rows(xf if ql.inv_smooth is None else xf * ql.inv_smooth, "int8")
+        q, scale = ops.dynamic_quant(x, ql.inv_smooth, backend=ql.backend, stats=ql.stats)
         ql.quantized_here += 1
     else:
         q, scale = got

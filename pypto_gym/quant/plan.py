@@ -1,23 +1,31 @@
-"""Turn a patched model's norm-fed linears into W8A8: which norms quantise, which linears go int8.
+"""Turn a patched model's linears into W8A8: which producers quantise, which linears go int8.
 
-The linears that read a norm's rows are named per model family (models/<family>.py, W8A8_LINEARS); each name
-is checked against the model (an nn.Linear whose in_features is the norm's D) and a norm none of
-whose linears is found stays a float norm, with the reason in the report. Every other linear of
-the model stays in the model dtype and is listed with why.
+Producers of int8 rows: the norms, whose consumers are named per model family (models/<family>.py,
+W8A8_LINEARS), each name checked against the model (an nn.Linear whose in_features is the norm's D;
+a norm none of whose linears is found stays a float norm, with the reason in the report); and the
+patched SwiGLU MLPs, whose down_proj reads the fused swiglu + quant's rows. The linears whose input
+no fused op produces (o_proj, the vision attn.proj, the merger's linears: W8A8_OWN_INPUT) quantise
+it themselves with `dynamic_quant`, smoothed by their own calibrated scale, in the parts of the model
+(text, vision) that have producers. Every other linear stays in the model dtype and is listed with why.
 """
 from __future__ import annotations
+
+import fnmatch
 
 import torch
 
 from .. import models
+from ..patching.mlp import MlpSite
 from ..patching.norm import NormSite
+from ..patching.site import part
 from . import calibration
-from .linear import QuantLinear, quant_linear_of
+from .linear import QuantLinear, linear_kind, quant_linear_of
+from .mlp import QuantMlp
 from .norm import QuantNorm
 
 
-def _resolve(model, site, relative: str, regrouped: bool):
-    """(path, linear) or (path, reason) for one named consumer of `site` (regrouped: reads k rows as one)."""
+def _resolve(model, site, relative: str):
+    """(path, linear) or (path, reason) for one named consumer of `site`."""
     if relative == "<lm_head>":
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         path = next((p for p, m in model.named_modules() if m is head), None) if head is not None else None
@@ -31,29 +39,35 @@ def _resolve(model, site, relative: str, regrouped: bool):
     except AttributeError:
         return path, "not found"
     D = site.module.weight.shape[0]
-    if not isinstance(module, torch.nn.Linear) or module.in_features % D or (not regrouped and module.in_features != D):
-        return path, f"not an nn.Linear with in_features={'a multiple of ' if regrouped else ''}{D}"
+    if not isinstance(module, torch.nn.Linear) or module.in_features != D:
+        return path, f"not an nn.Linear with in_features={D}"
     return path, module
 
 
-def tables(model):
-    """(linears after each norm kind, linears after a regrouped norm) of the model's family."""
+def w8a8_family(model):
+    """The model family (models/<family>.py: W8A8_LINEARS, W8A8_OWN_INPUT); a model of none is refused."""
     family = models.family_of(model)
     if family is None:
         name = getattr(getattr(model, "config", None), "model_type", None)
         raise ValueError(f"quant: model_type {name!r} has no W8A8 linear table (families with one: "
                          f"{', '.join(models.FAMILIES)})")
-    return family.W8A8_LINEARS, family.W8A8_REGROUPED
+    return family
 
 
-def linears_after(model, site, regrouped: bool = False):
+def linears_after(model, site):
     """([(path, linear)], [(path, reason)]) of the linears the model family names for the site's kind."""
-    table = tables(model)[1 if regrouped else 0]
     found, missing = [], []
-    for relative in table.get(site.kind, ()):
-        path, got = _resolve(model, site, relative, regrouped)
+    for relative in w8a8_family(model).W8A8_LINEARS.get(site.kind, ()):
+        path, got = _resolve(model, site, relative)
         (found if isinstance(got, torch.nn.Module) else missing).append((path, got))
     return found, missing
+
+
+def own_input_linears(model):
+    """[(path, linear)]: the nn.Linears the family names (by path suffix) as quantising their own input."""
+    suffixes = w8a8_family(model).W8A8_OWN_INPUT
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+            and any(p == s or p.endswith("." + s) for s in suffixes)]
 
 
 class QuantPlan:
@@ -63,10 +77,12 @@ class QuantPlan:
         self.calibration = calibration_path
         self.sites = sites
         self.norms: dict = {}  # site path -> QuantNorm
+        self.mlps: dict = {}  # site path -> QuantMlp
         self.linears: list[QuantLinear] = []
         self.float_linears: list[dict] = []
-        self.skipped_norms: list[dict] = []
-        self.calibration_ignored: list[str] = []  # norms of the file this patch does not quantise
+        self.skipped_producers: list[dict] = []
+        self.calibration_ignored: list[str] = []  # producers and linears of the file this patch does not quantise
+        self.float_reasons: dict = {}  # linear path -> why float_linears left it in the model dtype
 
     def uninstall(self) -> None:
         for ql in self.linears:
@@ -79,7 +95,7 @@ class QuantPlan:
         q = [r for r in rows if r["became"] == "w8a8"]
         return {"mode": "w8a8", "calibration": self.calibration, "smoothing": self.calibration is not None,
                 "summary": {"linears": len(rows), "int8": len(q), "float": len(rows) - len(q),
-                            "quant_norms": len(self.norms),
+                            "quant_norms": len(self.norms), "quant_mlps": len(self.mlps),
                             "handed_over": sum(r["handed_over"] for r in q),
                             "quantized_here": sum(r["quantized_here"] for r in q),
                             "fallbacks": sum(sum(r["fallbacks"].values()) for r in q),
@@ -87,51 +103,104 @@ class QuantPlan:
                             "releasable_float_bytes": sum(r["float_weight_bytes"] for r in q
                                                           if not r["float_weight_shared"]),
                             "int8_weight_bytes": sum(r["int8_weight_bytes"] for r in q)},
-                "skipped_norms": [dict(r) for r in self.skipped_norms],
+                "skipped_producers": [dict(r) for r in self.skipped_producers],
                 "calibration_ignored": list(self.calibration_ignored), "linears": rows}
 
 
+def _down_proj(site):
+    """([(path, down_proj)], reason) of a patched MLP site: its down_proj, if an nn.Linear reading the I channels."""
+    down, I = site.module.down_proj, site.module.gate_proj.weight.shape[0]
+    if not isinstance(down, torch.nn.Linear) or down.in_features != I:
+        return [], f"{site.path}.down_proj: not an nn.Linear with in_features={I}"
+    return [(f"{site.path}.down_proj", down)], ""
+
+
+def _producer_of(site, found):
+    """(width of its rows, dtype of its smooth scale, Producer class, why its consumers read int8) of a site."""
+    if isinstance(site, MlpSite):
+        return found[0][1].in_features, torch.float32, QuantMlp, f"int8 rows from {site.path} (fused swiglu + quant)"
+    w = site.module.weight
+    return w.shape[0], w.dtype, QuantNorm, f"int8 rows from {site.path} (fused norm + quant)"
+
+
+def _kept_float(model, globs) -> set:
+    """The paths of the linears `float_linears` names (globs over linear kinds or paths); a glob naming none
+    is refused, with the kinds the model has."""
+    if not globs:
+        return set()
+    linears = [(p, linear_kind(p)) for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    kept = set()
+    for glob in globs:
+        hit = {p for p, kind in linears if fnmatch.fnmatchcase(kind, glob) or fnmatch.fnmatchcase(p, glob)}
+        if not hit:
+            kinds = sorted({kind for _, kind in linears})
+            raise ValueError(f"float_linears: {glob!r} matched none of the model's {len(linears)} linears; expected a "
+                             f"glob over their kinds ({', '.join(kinds)}) or paths")
+        kept |= hit
+    return kept
+
+
 def install(model, state) -> QuantPlan:
-    """The "w8a8" quantisation mode of patch_model: quantise the linears after every patched norm that has
-    some; returns the plan (uninstall undoes it). A calibration file may cover every norm of the model,
-    patched or not (a `sites=` subset)."""
-    tables(model)  # a model of no known family is refused before anything changes
-    sites = [s for s in state.sites if isinstance(s, NormSite)]
+    """The "w8a8" quantisation mode of patch_model: every patched norm with consumer linears and every patched
+    SwiGLU MLP produce int8 rows for their linears; returns the plan (uninstall undoes it). A calibration file
+    may cover every norm and MLP of the model, patched or not (a `sites=` subset)."""
+    w8a8_family(model)  # a model of no known family is refused before anything changes
+    sites = [s for s in state.sites if isinstance(s, (NormSite, MlpSite))]
     backend, calibration_path = state.options.backend, state.options.calibration
-    known_norms = [p for e in state.entries for p in (e.paths if isinstance(e, NormSite) else
-                                                        e["paths"] if isinstance(e, dict) and e["op"] == "rms_norm"
-                                                        else ())]
+    known = [p for e in state.entries for p in (e.paths if isinstance(e, (NormSite, MlpSite)) else
+                                                e["paths"] if isinstance(e, dict) and e["op"] in ("rms_norm", "swiglu")
+                                                else ())]
     plan = QuantPlan(None if calibration_path is None else str(calibration_path), sites)
+    kept = _kept_float(model, state.options.float_linears)
     fed = {}
     for site in sites:
-        found, missing = linears_after(model, site)
-        if found:
+        if isinstance(site, MlpSite):
+            found, reason = _down_proj(site)
+        else:
+            found, missing = linears_after(model, site)
+            reason = "; ".join(f"{p}: {r}" for p, r in missing)
+        if any(p in kept for p, _ in found):  # one producer's rows: its linears are int8 together or not at all
+            why = f"float_linears keeps {', '.join(p for p, _ in found if p in kept)} in the model dtype"
+            plan.skipped_producers.append({"path": site.path, "reason": why})
+            plan.float_reasons.update({p: f"reads {site.path}'s rows: {why}" for p, _ in found})
+        elif found:
             fed[site] = found
-        elif missing:
-            plan.skipped_norms.append({"path": site.path, "reason": "; ".join(f"{p}: {r}" for p, r in missing)})
+        elif reason:
+            plan.skipped_producers.append({"path": site.path, "reason": reason})
+    # the linears that quantise their own input, in the parts (text, vision) that have producers
+    every_own = own_input_linears(model)
+    parts = {part(s.path) for s in fed}
+    own = [(p, m) for p, m in every_own if part(p) in parts and p not in kept]
+    plan.float_reasons.update({p: "float_linears keeps it in the model dtype" for p, _ in every_own if p in kept})
+    known += [p for p, _ in every_own]
     smooth = {}
     if calibration_path is not None:
+        expected = {s.path: _producer_of(s, found)[0] for s, found in fed.items()}
+        expected.update({p: m.in_features for p, m in own})
         smooth, plan.calibration_ignored = calibration.load(
-            calibration_path, {s.path: s.module.weight.shape[0] for s in fed},
-            getattr(getattr(model, "config", None), "model_type", None), set(known_norms))
-        for site, found in fed.items():
-            where = f"calibration {calibration_path}: tensor '{site.path}{calibration.SUFFIX}'"
-            calibration.check_reciprocal(where, smooth[site.path], site.module.weight.dtype)
+            calibration_path, expected, getattr(getattr(model, "config", None), "model_type", None), set(known))
+        checks = [(site.path, _producer_of(site, found)[1], found) for site, found in fed.items()]
+        checks += [(p, m.weight.dtype, [(p, m)]) for p, m in own]
+        for key, dtype, found in checks:
+            where = f"calibration {calibration_path}: tensor '{key}{calibration.SUFFIX}'"
+            calibration.check_reciprocal(where, smooth[key], dtype)
             for path, linear in found:
-                calibration.check_scaled(where, linear.weight, smooth[site.path].to(linear.weight.device), path)
+                calibration.check_scaled(where, linear.weight, smooth[key].to(linear.weight.device), path)
     try:
         for site, found in fed.items():
+            _, dtype, kind, why = _producer_of(site, found)
             s = smooth.get(site.path)
-            inv = None if s is None else (1.0 / s).to(device=site.module.weight.device, dtype=site.module.weight.dtype)
-            qn = QuantNorm(inv)
-            site.quant = qn
-            plan.norms[site.path] = qn
+            inv = None if s is None else (1.0 / s).to(device=found[0][1].weight.device, dtype=dtype)
+            producer = kind(inv)
+            site.quant = producer
+            (plan.mlps if kind is QuantMlp else plan.norms)[site.path] = producer
             for path, linear in found:
-                _add(plan, path, linear, qn, backend, f"int8 rows from {site.path} (fused norm + quant)")
-        for site in sites:
-            found, _ = linears_after(model, site, regrouped=True)
-            for path, linear in found:
-                _add(plan, path, linear, None, backend, f"quantised per row here ({site.path}'s output regrouped)")
+                _add(plan, path, linear, producer, backend, why)
+        for path, linear in own:
+            s = smooth.get(path)
+            inv = None if s is None else (1.0 / s).to(device=linear.weight.device, dtype=linear.weight.dtype)
+            _add(plan, path, linear, None, backend, "quantised per row here (dynamic_quant: no fused op produces its "
+                                                    "input)", inv)
     except BaseException:
         plan.uninstall()
         raise
@@ -143,17 +212,18 @@ def install(model, state) -> QuantPlan:
         if isinstance(module, torch.nn.Linear) and quant_linear_of(module) is None:
             plan.float_linears.append({
                 "path": path, "in_features": module.in_features, "out_features": module.out_features,
-                "became": str(module.weight.dtype).replace("torch.", ""), "input": "not a norm's output rows",
+                "became": str(module.weight.dtype).replace("torch.", ""),
+                "input": plan.float_reasons.get(path, "not the rows of a patched norm or MLP"),
                 "smoothed": False, "backend": None, "calls": 0, "ran_on": {}, "fallbacks": {}, "handed_over": 0,
                 "quantized_here": 0, "float_weight_bytes": module.weight.numel() * module.weight.element_size(),
                 "float_weight_shared": False, "int8_weight_bytes": 0})
     return plan
 
 
-def _add(plan, path, linear, source, backend, why) -> None:
+def _add(plan, path, linear, source, backend, why, inv_smooth=None) -> None:
     if quant_linear_of(linear) is not None:  # one module reachable twice (a shared or tied linear)
         return
-    ql = QuantLinear(path, linear, source, backend, why)
+    ql = QuantLinear(path, linear, source, backend, why, inv_smooth)
     ql.install()
     plan.linears.append(ql)
     if source is not None:
