@@ -65,6 +65,13 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def native_int8() -> bool:
+    """True when the CPU has int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX): only then does
+    torch._int_mm (oneDNN) run an int8 GEMM faster than a float one."""
+    flags = cpu_flags()
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
+
+
 def capability() -> str:
     """One line for benchmark headers, e.g. 'AMD EPYC: AVX-512, AVX-512 BF16, AVX-512 VNNI (kernel avx512bf16)'."""
     flags = cpu_flags()

@@ -113,10 +113,12 @@ def test_environment_switches_are_parsed_by_one_rule(monkeypatch):
     monkeypatch.setenv("PYPTO_GYM_SITES", "text.*")
     monkeypatch.setenv("PYPTO_GYM_FUSE_RESIDUAL", "off")
     assert patch_options(parse()) == {"backend": "torch", "sites": ("text.*",), "fuse_residual": False,
-                                      "quant": None, "calibration": None, "float_linears": None, "sites_from": "PYPTO_GYM_SITES"}
+                                      "quant": None, "calibration": None, "float_linears": None,
+                                      "release_float_weights": False, "sites_from": "PYPTO_GYM_SITES"}
     assert patch_options(parse("--backend", "cpu", "--sites", "vision.*")) == \
         {"backend": "cpu", "sites": ("vision.*",), "fuse_residual": False, "quant": None,
-         "calibration": None, "float_linears": None, "sites_from": "--sites"}  # a flag beats the environment
+         "calibration": None, "float_linears": None, "release_float_weights": False,
+         "sites_from": "--sites"}  # a flag beats the environment
     monkeypatch.setenv("USE_PTO_RMS_NORM", "0")
     assert patch_options(parse("--use_pto"))["backend"] == "torch"
     monkeypatch.setenv("PYPTO_GYM_BACKEND", "gpu")

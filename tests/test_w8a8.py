@@ -543,3 +543,58 @@ def test_float_linears_keeps_a_producers_linears_float_together(tiny_loaded, sam
         patch_model(copy.deepcopy(tiny_loaded[0]), backend="cpu", quant="w8a8", float_linears="text.o_prj")
     with pytest.raises(ValueError, match="float_linears: given without quant='w8a8'"):
         patch_model(copy.deepcopy(tiny_loaded[0]), backend="cpu", float_linears="text.q_proj")
+
+
+def test_release_float_weights_returns_the_memory_and_refuses_unpatch(tiny_loaded, sample_inputs):
+    """A deployment: the int8 linears drop their float weights (nothing holds them any more), logits are the
+    W8A8 model's, the tied lm_head keeps the embedding's table, unpatch and the switch are refused."""
+    import gc
+    import weakref
+
+    kept = copy.deepcopy(tiny_loaded[0])
+    patch_model(kept, backend="cpu", quant="w8a8")
+    want = _logits(kept, sample_inputs)
+    model = copy.deepcopy(tiny_loaded[0])
+    o_proj = model.model.language_model.layers[0].self_attn.o_proj
+    gone = weakref.ref(o_proj.weight)
+    report = patch_model(model, backend="cpu", quant="w8a8", release_float_weights=True)
+    gc.collect()
+    assert gone() is None and o_proj.weight.is_meta and o_proj.weight.shape == (128, 128)
+    s = report.to_json()["w8a8"]["summary"]
+    assert s["released_float_bytes"] == s["releasable_float_bytes"] > 0
+    head = model.get_output_embeddings()
+    tied = head.weight is model.get_input_embeddings().weight
+    assert tied and not head.weight.is_meta  # the embedding keeps its float table; lm_head runs int8 from it
+    assert s["float_weight_bytes"] - s["released_float_bytes"] == head.weight.numel() * head.weight.element_size()
+    assert torch.equal(_logits(model, sample_inputs), want)
+    assert "float weights released" in str(report) and "unpatch_model refused" in str(report)
+    with pytest.raises(PatchError, match=r"unpatch_model: the float weights of 50 int8 linears .* were released"):
+        unpatch_model(model)
+    pypto_gym.set_enabled(False)
+    try:
+        with pytest.raises(RuntimeError, match="float weight was released"):
+            _logits(model, sample_inputs)
+    finally:
+        pypto_gym.set_enabled(True)
+    with pytest.raises(ValueError, match="release_float_weights: given without quant='w8a8'"):
+        patch_model(copy.deepcopy(tiny_loaded[0]), backend="cpu", release_float_weights=True)
+
+
+def test_a_cpu_without_int8_dot_products_is_told_once_at_patch_time(tiny_loaded, monkeypatch):
+    from pypto_gym import hardware
+    from pypto_gym.quant import plan
+
+    monkeypatch.setattr(hardware, "native_int8", lambda: False)
+    monkeypatch.setattr(plan, "_said", [])
+    with pytest.warns(RuntimeWarning, match="no int8 dot-product instructions"):
+        report = patch_model(copy.deepcopy(tiny_loaded[0]), backend="cpu", quant="w8a8")
+    assert "note: this CPU" in str(report) and report.to_json()["w8a8"]["speed_note"]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second patch in this process says it in its report only
+        again = patch_model(copy.deepcopy(tiny_loaded[0]), backend="cpu", quant="w8a8")
+    assert again.to_json()["w8a8"]["speed_note"]
+    monkeypatch.setattr(hardware, "native_int8", lambda: True)
+    assert patch_model(copy.deepcopy(tiny_loaded[0]), backend="cpu", quant="w8a8").to_json()["w8a8"]["speed_note"] \
+        is None

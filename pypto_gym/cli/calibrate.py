@@ -39,5 +39,6 @@ def run(args) -> int:
     spread = [float(s.max() / s.min()) for s in scales.values()]
     mlps = sum(1 for p in scales if p.endswith("mlp"))
     print(f"{len(scales)} producers calibrated ({len(scales) - mlps} norms, {mlps} MLPs; alpha={args.alpha}) on "
-          f"{len(todo)} inputs; max/min smooth scale per producer: median {sorted(spread)[len(spread) // 2]:.1f}, largest {max(spread):.1f}; written to {out}")
+          f"{len(todo)} inputs; max/min smooth scale per producer: median {sorted(spread)[len(spread) // 2]:.1f}, "
+          f"largest {max(spread):.1f}; written to {out}")
     return 0

@@ -131,6 +131,8 @@ def add_patch_args(ap):
     ap.add_argument("--float-linears", default=None,
                     help="with --quant w8a8: globs over linear kinds or paths kept in the model dtype, e.g. "
                          "'text.o_proj,vision.proj' (default: every linear int8)")
+    ap.add_argument("--release-float-weights", action="store_true",
+                    help="with --quant w8a8: the int8 linears drop their float weights (memory returned, no unpatch)")
     ap.add_argument("--allow-fallback", action="store_true",
                     help="with a --backend that cannot run here: run on torch (counted in the report) instead of "
                          "refusing")
@@ -153,6 +155,8 @@ def patch_options(args) -> dict | None:
         raise UserError(f"--calibration: no file at {args.calibration}")
     if args.float_linears is not None and args.quant is None:
         raise UserError("--float-linears: given without --quant w8a8")
+    if args.release_float_weights and args.quant is None:
+        raise UserError("--release-float-weights: given without --quant w8a8")
     if not use:
         if args.quant is not None:
             raise UserError("--quant: needs patching on (--use_pto or USE_PTO_RMS_NORM=1)")
@@ -165,7 +169,9 @@ def patch_options(args) -> dict | None:
     fuse = args.fuse_residual if args.fuse_residual is not None else options.default_fuse_residual()
     sites = options.parse_sites(args.sites, "--sites") if args.sites is not None else options.default_sites()
     return {"backend": backend, "sites": sites, "fuse_residual": fuse, "quant": args.quant,
-            "calibration": args.calibration, "float_linears": options.parse_sites(args.float_linears, "--float-linears"),
+            "calibration": args.calibration,
+            "float_linears": options.parse_sites(args.float_linears, "--float-linears"),
+            "release_float_weights": args.release_float_weights,
             "sites_from": "--sites" if args.sites is not None else "PYPTO_GYM_SITES"}
 
 

@@ -6,8 +6,8 @@ weights from a fixed seed.
 """
 from __future__ import annotations
 
-from .common import (MODELING_DIR, TEXT_LINEARS_AFTER_NORM, TEXT_OWN_INPUT, TEXT_PROMPTS, TextProcessor, build_text_tiny,
-                     from_pretrained)
+from .common import (MODELING_DIR, TEXT_LINEARS_AFTER_NORM, TEXT_OWN_INPUT, TEXT_PROMPTS, TextProcessor,
+                     build_text_tiny, from_pretrained)
 
 NAME = "llama"
 MODEL_TYPES = ("llama",)

@@ -5,8 +5,8 @@ hidden 128, 4 heads of 32 and 2 KV heads, a ChatML template; random weights from
 """
 from __future__ import annotations
 
-from .common import (MODELING_DIR, TEXT_LINEARS_AFTER_NORM, TEXT_OWN_INPUT, TEXT_PROMPTS, TextProcessor, build_text_tiny,
-                     from_pretrained)
+from .common import (MODELING_DIR, TEXT_LINEARS_AFTER_NORM, TEXT_OWN_INPUT, TEXT_PROMPTS, TextProcessor,
+                     build_text_tiny, from_pretrained)
 
 NAME = "qwen3"
 MODEL_TYPES = ("qwen3",)

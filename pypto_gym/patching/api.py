@@ -92,7 +92,7 @@ def _say_unavailable(state: PatchState) -> None:
 
 def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, fuse_residual: bool | None = None,
                 cast_mode: str = "hf", quant: str | None = None, calibration=None,
-                strict: bool | None = None, float_linears=None) -> PatchReport:
+                strict: bool | None = None, float_linears=None, release_float_weights: bool = False) -> PatchReport:
     """Swap every site of `model` (RMSNorms, SwiGLU MLPs, rotary embeddings) for the fused ops; returns
     the live report.
 
@@ -108,6 +108,9 @@ def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, 
       no smoothing (the report says so).
     float_linears: with quant, globs over linear kinds or paths ("text.o_proj,vision.proj", or a list) kept
       in the model dtype; the linears reading one norm's or MLP's rows stay float together.
+    release_float_weights: with quant, a deployment: the int8 linears drop their float weights (the memory is
+      returned; a weight shared with another module, a tied lm_head's, stays); unpatch_model and the switch
+      are then refused for them.
     strict: this patch's sites raise instead of falling back (None: the process-wide switch).
     Patching an already patched model with the same options returns its report and changes
     nothing; with other options it raises (unpatch first). A model that contains a patched
@@ -116,7 +119,8 @@ def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: got {type(model).__name__}; expected a torch.nn.Module")
     config.STATE.load()
-    options = PatchConfig.make(backend, sites, fuse_residual, cast_mode, quant, calibration, strict, float_linears)
+    options = PatchConfig.make(backend, sites, fuse_residual, cast_mode, quant, calibration, strict, float_linears,
+                               release_float_weights)
     existing = model.__dict__.get(_STATE_ATTR)
     if existing is not None:
         if not existing.options.same(options):

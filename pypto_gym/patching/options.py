@@ -56,11 +56,12 @@ class PatchConfig:
     calibration: str | None
     strict: bool | None
     float_linears: tuple | None = None  # with quant: globs of linears (kinds or paths) kept in the model dtype
+    release_float_weights: bool = False  # with quant: int8 linears drop their float weights (no unpatch)
     sites_from: str = "sites"  # what a selection matching nothing is blamed on
 
     @classmethod
     def make(cls, backend=None, sites=None, fuse_residual=None, cast_mode="hf", quant=None, calibration=None,
-             strict=None, float_linears=None) -> "PatchConfig":
+             strict=None, float_linears=None, release_float_weights=False) -> "PatchConfig":
         """The validated options; every refusal names the argument."""
         if quant is not None and quant not in QUANT_MODES:
             raise ValueError(f"quant: got {quant!r}; expected None or one of {', '.join(map(repr, QUANT_MODES))}")
@@ -69,6 +70,11 @@ class PatchConfig:
         float_linears = parse_sites(float_linears, "float_linears")
         if float_linears is not None and quant is None:
             raise ValueError("float_linears: given without quant='w8a8'; without it every linear is float")
+        if not isinstance(release_float_weights, bool):
+            raise TypeError(f"release_float_weights: got {release_float_weights!r} "
+                            f"({type(release_float_weights).__name__}); expected True or False")
+        if release_float_weights and quant is None:
+            raise ValueError("release_float_weights: given without quant='w8a8'; only int8 linears can drop them")
         backend = registry.default_backend() if backend is None else registry.check_name(backend)
         sites_from = "sites" if sites is not None else "PYPTO_GYM_SITES"
         sites = default_sites() if sites is None else parse_sites(sites)
@@ -81,7 +87,7 @@ class PatchConfig:
         if strict is not None:
             strict = config.parse_bool("strict", strict)
         return cls(backend, sites, fuse_residual, cast_mode, quant, None if calibration is None else str(calibration),
-                   strict, float_linears, sites_from)
+                   strict, float_linears, release_float_weights, sites_from)
 
     def same(self, other: "PatchConfig") -> bool:
         return self.to_json() == other.to_json()

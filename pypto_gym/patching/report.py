@@ -89,19 +89,31 @@ class PatchReport:
     __repr__ = __str__
 
 
+def _float_copies(s: dict) -> str:
+    shared = (s["float_weight_bytes"] - s["releasable_float_bytes"]) / 2 ** 20
+    if s["released_float_bytes"]:
+        return (f"(float weights released: {s['released_float_bytes'] / 2 ** 20:.1f} MB returned, unpatch_model "
+                f"refused; {shared:.1f} MB kept, shared with other modules: a tied lm_head's is the embedding's)")
+    return (f"(float copies kept for unpatch_model; {s['releasable_float_bytes'] / 2 ** 20:.1f} MB of them not shared "
+            f"with other modules)")
+
+
 def _w8a8_lines(q: dict) -> list[str]:
     s = q["summary"]
     smoothing = f"smooth scales from {q['calibration']}" if q["smoothing"] else "no smoothing (no calibration file)"
-    lines = [f"W8A8: {s['int8']}/{s['linears']} linears int8 ({s['quant_norms']} norms and {s['quant_mlps']} MLPs emit int8 rows), {smoothing}; "
+    lines = [f"W8A8: {s['int8']}/{s['linears']} linears int8 ({s['quant_norms']} norms and {s['quant_mlps']} MLPs "
+             f"emit int8 rows), {smoothing}; "
              f"int8 rows handed over x{s['handed_over']}, quantised in the linear x{s['quantized_here']}, "
              f"fallbacks={s['fallbacks']}; weights of the int8 linears {s['float_weight_bytes'] / 2 ** 20:.1f} MB "
-             f"float -> {s['int8_weight_bytes'] / 2 ** 20:.1f} MB int8 (float copies kept for unpatch_model; "
-             f"{s['releasable_float_bytes'] / 2 ** 20:.1f} MB of them not shared with other modules)"]
+             f"float -> {s['int8_weight_bytes'] / 2 ** 20:.1f} MB int8 " + _float_copies(s)]
+    if q.get("speed_note"):
+        lines.append(f"note: {q['speed_note']}")
     for r in q["skipped_producers"]:
         lines.append(f"{r['path']} emits float rows: {r['reason']}")
     ignored = q["calibration_ignored"]
     if ignored:
-        lines.append(f"calibration: {len(ignored)} smooth scales ignored, for norms and MLPs this patch does not quantise "
+        lines.append(f"calibration: {len(ignored)} smooth scales ignored, for norms and MLPs this patch does not "
+                     f"quantise "
                      f"({', '.join(ignored[:3])}{', ...' if len(ignored) > 3 else ''})")
     w = max([len(r["path"]) for r in q["linears"]] + [20])
     header = f"{'linear':<{w}} {'became':<9} {'backend':<10} {'calls':>6}  input / fallbacks"

@@ -59,7 +59,8 @@ class Calibrator:
                 self._handles.append(cand.module.down_proj.register_forward_pre_hook(
                     lambda m, args, path=cand.path: self._record(path, args[0])))
         for path, linear in own_input_linears(self.model):
-            self._handles.append(linear.register_forward_pre_hook(lambda m, args, path=path: self._record(path, args[0])))
+            self._handles.append(linear.register_forward_pre_hook(
+                lambda m, args, path=path: self._record(path, args[0])))
         return self
 
     def __exit__(self, *exc):
@@ -183,7 +184,8 @@ def _metadata(where: str, metadata: dict) -> dict:
         info = None
     fmt = info.get("format") if isinstance(info, dict) else None
     if fmt != FORMAT:
-        old = " (format 1 calibrated the norms only: run scripts/calibrate.py again)" if fmt == FORMAT[:-1] + "1" else ""
+        old = (" (format 1 calibrated the norms only: run scripts/calibrate.py again)" if fmt == FORMAT[:-1] + "1"
+               else "")
         raise ValueError(f"{where}: metadata format {fmt!r}; expected {FORMAT!r} (a file written by "
                          f"scripts/calibrate.py){old}")
     alpha = info.get("alpha")

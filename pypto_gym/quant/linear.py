@@ -59,6 +59,15 @@ class QuantLinear(SwappedForward):
         self.float_weight_shared = False  # the float weight is also another module's (tied embeddings)
         self.handed_over = 0  # calls that took the norm's int8 rows as they were
         self.quantized_here = 0  # calls that quantised their float input per row
+        self.released_bytes = 0  # the float weight's bytes, once release() dropped it
+
+    def release(self) -> None:
+        """Drop the float weight (a deployment): the module's `weight` becomes a meta tensor of its shape and
+        dtype, so nothing holds the float data; the float forward (unpatch, the switch) is then impossible."""
+        w = self.module._parameters["weight"]
+        self.released_bytes = w.numel() * w.element_size()
+        self.module._parameters["weight"] = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"),
+                                                               requires_grad=False)
 
     def row(self) -> dict:
         m, stats = self.module, self.stats
@@ -69,7 +78,7 @@ class QuantLinear(SwappedForward):
                 "fallbacks": dict(stats.fallbacks), "handed_over": self.handed_over,
                 "quantized_here": self.quantized_here,
                 "float_weight_bytes": m.weight.numel() * m.weight.element_size(),
-                "float_weight_shared": self.float_weight_shared,
+                "float_weight_shared": self.float_weight_shared, "float_weight_released": self.released_bytes > 0,
                 "int8_weight_bytes": self.w_q.numel() + 4 * self.w_scale.numel()}
 
 
@@ -77,6 +86,10 @@ def quant_linear_forward(module, x):
     """The forward of every QuantLinear: the producer's int8 rows if they were handed over, else x quantised here."""
     ql = module.__dict__[_SLOT]
     if not _STATE.enabled:
+        if ql.released_bytes:
+            raise RuntimeError(f"{ql.path}: pypto-gym is switched off (USE_PTO_RMS_NORM=0 / set_enabled(False)) but "
+                               f"this int8 linear's float weight was released (release_float_weights=True): there "
+                               f"is no float path to run; switch it on, or load the model again for the float model")
         return ql.original(x)
     got = None
     if type(x) is activations.QuantRows:

@@ -11,10 +11,11 @@ it themselves with `dynamic_quant`, smoothed by their own calibrated scale, in t
 from __future__ import annotations
 
 import fnmatch
+import warnings
 
 import torch
 
-from .. import models
+from .. import hardware, models
 from ..patching.mlp import MlpSite
 from ..patching.norm import NormSite
 from ..patching.site import part
@@ -83,6 +84,15 @@ class QuantPlan:
         self.skipped_producers: list[dict] = []
         self.calibration_ignored: list[str] = []  # producers and linears of the file this patch does not quantise
         self.float_reasons: dict = {}  # linear path -> why float_linears left it in the model dtype
+        self.speed_note: str | None = None  # said once at patch time where the int8 GEMM has no fast path
+
+    def unpatch_refusal(self) -> str | None:
+        """Why unpatch_model cannot restore the float model (its weights were released), else None."""
+        released = [ql.path for ql in self.linears if ql.released_bytes]
+        if not released:
+            return None
+        return (f"the float weights of {len(released)} int8 linears (e.g. {released[0]}) were released "
+                f"(release_float_weights=True): the float model cannot be restored; load it again instead")
 
     def uninstall(self) -> None:
         for ql in self.linears:
@@ -102,8 +112,9 @@ class QuantPlan:
                             "float_weight_bytes": sum(r["float_weight_bytes"] for r in q),
                             "releasable_float_bytes": sum(r["float_weight_bytes"] for r in q
                                                           if not r["float_weight_shared"]),
+                            "released_float_bytes": sum(ql.released_bytes for ql in self.linears),
                             "int8_weight_bytes": sum(r["int8_weight_bytes"] for r in q)},
-                "skipped_producers": [dict(r) for r in self.skipped_producers],
+                "speed_note": self.speed_note, "skipped_producers": [dict(r) for r in self.skipped_producers],
                 "calibration_ignored": list(self.calibration_ignored), "linears": rows}
 
 
@@ -121,6 +132,9 @@ def _producer_of(site, found):
         return found[0][1].in_features, torch.float32, QuantMlp, f"int8 rows from {site.path} (fused swiglu + quant)"
     w = site.module.weight
     return w.shape[0], w.dtype, QuantNorm, f"int8 rows from {site.path} (fused norm + quant)"
+
+
+_said: list = []  # the no-fast-path note, once per process
 
 
 def _kept_float(model, globs) -> set:
@@ -208,6 +222,18 @@ def install(model, state) -> QuantPlan:
                     for p in m.parameters(recurse=False)}
     for ql in plan.linears:  # a tied weight (lm_head = embed_tokens) stays in memory for its other user
         ql.float_weight_shared = ql.module.weight.data_ptr() in still_needed
+    if state.options.release_float_weights:
+        for ql in plan.linears:
+            if not ql.float_weight_shared:
+                ql.release()
+    on_cpu = any(ql.module.weight.device.type in ("cpu", "meta") for ql in plan.linears)
+    if on_cpu and backend in ("auto", "cpu") and not hardware.native_int8():
+        plan.speed_note = (f"this CPU ({hardware.cpu_model()}) has no int8 dot-product instructions (VNNI, AMX): "
+                           f"torch._int_mm has no fast path here, so the int8 linears are exact but slower than the "
+                           f"float model's")
+        if not _said:
+            _said.append(plan.speed_note)
+            warnings.warn(f"pypto-gym W8A8: {plan.speed_note}", RuntimeWarning, stacklevel=3)
     for path, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and quant_linear_of(module) is None:
             plan.float_linears.append({
@@ -216,7 +242,7 @@ def install(model, state) -> QuantPlan:
                 "input": plan.float_reasons.get(path, "not the rows of a patched norm or MLP"),
                 "smoothed": False, "backend": None, "calls": 0, "ran_on": {}, "fallbacks": {}, "handed_over": 0,
                 "quantized_here": 0, "float_weight_bytes": module.weight.numel() * module.weight.element_size(),
-                "float_weight_shared": False, "int8_weight_bytes": 0})
+                "float_weight_shared": False, "float_weight_released": False, "int8_weight_bytes": 0})
     return plan
 
 

@@ -1,10 +1,10 @@
 """dynamic_quant (SPEC 11): per-token symmetric int8/int4 of a linear's input that no fused op produced.
 
-n = f32(x) * f32(smooth_scales) (SmoothQuant's 1/s for the linear's input channels, optional, any float
-dtype: x's for torch_npu's npu_dynamic_quant, fp32 where the rows escaped a producer with an fp32 one); (y, scale) = the per-row rule every quantised op
-shares (ops/quantize.py): scale = row_max|n| / qmax (fp32, shape x.shape[:-1]), y = clamp(round(n /
-scale)), half to even. What an int8 o_proj, the vision attn.proj and the merger's linears run on
-their float input; no gradient.
+n = f32(x) * f32(smooth_scales) (SmoothQuant's 1/s for the linear's input channels, optional, any
+float dtype: x's for torch_npu's npu_dynamic_quant, fp32 where rows escaped a producer with an fp32
+one); (y, scale) = the per-row rule every quantised op shares (ops/quantize.py): scale = row_max|n| /
+qmax (fp32, shape x.shape[:-1]), y = clamp(round(n / scale)), half to even. What an int8 o_proj, the
+vision attn.proj and the merger's linears run on their float input; no gradient.
 """
 import torch
 

@@ -34,7 +34,8 @@ std::vector<at::Tensor> swiglu_quant_entry(const at::Tensor& gate_in, const at::
   const int64_t I = gate_in.size(-1);
   auto row_shape = gate_in.sizes().vec();
   row_shape.pop_back();
-  at::Tensor y = at::empty(gate_in.sizes(), gate_in.options().dtype(at::kChar).memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor y =
+      at::empty(gate_in.sizes(), gate_in.options().dtype(at::kChar).memory_format(at::MemoryFormat::Contiguous));
   at::Tensor scale = at::empty(row_shape, gate_in.options().dtype(at::kFloat));
   if (y.numel() == 0) return {y, scale};
   auto as_rows = [&](const at::Tensor& t) {  // the two halves of a merged gate_up GEMM are strided views

@@ -68,7 +68,8 @@ def _npu_supports(backend, gate, up, smooth_scales, cast_mode, dst_type):
     if dst_type != "int8":
         return f"{name}: dst_type {dst_type} is not mapped (only int8)"
     if cast_mode == "hf" and gate.dtype != torch.float32:
-        return f"{name} computes in fp32: cast_mode 'hf' (rounded to {dtype_name(gate.dtype)} twice) is not its arithmetic"
+        return (f"{name} computes in fp32: cast_mode 'hf' (rounded to {dtype_name(gate.dtype)} twice) is not its "
+                f"arithmetic")
     if backend.series_of(gate) != "a2_a3":
         return f"{name}: supported on Atlas A2/A3 chips only"
     if gate.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -87,5 +88,6 @@ def _(backend, gate, up, smooth_scales, cast_mode, dst_type):
     return y, (1.0 / multiplier).reshape(gate.shape[:-1])
 
 
-SWIGLU_DYNAMIC_QUANT.not_on("pypto", "no PyPTO kernel yet: swiglu's whole-row tiles at 11008 wide already take 172 KB of "
-                                     "the 192 KB unified buffer, and the quantised row needs more live buffers")
+SWIGLU_DYNAMIC_QUANT.not_on("pypto", "no PyPTO kernel yet: swiglu's whole-row tiles at 11008 wide already take "
+                                     "172 KB of the 192 KB unified buffer, and the quantised row needs more live "
+                                     "buffers")
