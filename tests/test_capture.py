@@ -252,6 +252,11 @@ def test_committed_case_files_exist():
     assert {c["phase"] for c in guten} == {"prefill", "decode"}
     qwen3 = load_cases(ROOT / "tests" / "cases" / "tiny_qwen3.json")
     assert "qk_norm_rope" in {c["op"] for c in qwen3}
+    w8a8 = {}
+    for c in load_cases(ROOT / "tests" / "cases" / "gutenocr_3b_w8a8.json"):
+        w8a8.setdefault(c["op"], set()).add(c["args"][0].shape[-1])
+    assert w8a8["swiglu_dynamic_quant"] == {11008, 3420}  # every MLP feeds its down_proj int8 rows
+    assert w8a8["dynamic_quant"] == {2048, 1280, 5120}  # o_proj, vision attn.proj, the merger's linears
 
 
 CASES = [(p, c) for p in CASE_FILES for c in load_cases(p)]

@@ -16,6 +16,8 @@ def add_parser(sub):
 
 
 def run(args) -> int:
+    import torch
+
     from .. import files
     from ..inference import generate, resolve_device
     from ..quant import calibration
@@ -37,8 +39,9 @@ def run(args) -> int:
     inputs = [f"{label} | {prompt}" if label else prompt for prompt, _, label in todo]
     calibration.save(out, scales, args.alpha, getattr(model.config, "model_type", "?"), inputs)
     spread = [float(s.max() / s.min()) for s in scales.values()]
-    mlps = sum(1 for p in scales if p.endswith("mlp"))
-    print(f"{len(scales)} producers calibrated ({len(scales) - mlps} norms, {mlps} MLPs; alpha={args.alpha}) on "
-          f"{len(todo)} inputs; max/min smooth scale per producer: median {sorted(spread)[len(spread) // 2]:.1f}, "
-          f"largest {max(spread):.1f}; written to {out}")
+    linears = sum(isinstance(model.get_submodule(p), torch.nn.Linear) for p in scales)
+    mlps = sum(1 for p in scales if hasattr(model.get_submodule(p), "down_proj"))
+    print(f"{len(scales)} smooth scales ({len(scales) - mlps - linears} norms, {mlps} MLPs, {linears} linears "
+          f"quantising their own input; alpha={args.alpha}) from {len(todo)} inputs; max/min per scale: median "
+          f"{sorted(spread)[len(spread) // 2]:.1f}, largest {max(spread):.1f}; written to {out}")
     return 0
