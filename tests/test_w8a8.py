@@ -598,3 +598,26 @@ def test_a_cpu_without_int8_dot_products_is_told_once_at_patch_time(tiny_loaded,
     monkeypatch.setattr(hardware, "native_int8", lambda: True)
     assert patch_model(copy.deepcopy(tiny_loaded[0]), backend="cpu", quant="w8a8").to_json()["w8a8"]["speed_note"] \
         is None
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_text_families_run_every_linear_int8(name):
+    """Qwen3 (its qk_norm_rope sites included) and Llama: every linear int8, the int8 rows handed over where a
+    norm or MLP produced them, logits close to the float model's."""
+    from pypto_gym import models
+
+    family = models.FAMILIES[name]
+    model, processor = family.load(family.TINY_DIR, "float32", "cpu")
+    batch = processor(list(family.CALIBRATION_PROMPTS[:2]), None, model)
+    want = _logits(model, batch)
+    report = patch_model(model, backend="cpu", quant="w8a8")
+    got = _logits(model, batch)
+    q = report.to_json()["w8a8"]
+    assert q["summary"]["int8"] == q["summary"]["linears"] == 29 and q["summary"]["fallbacks"] == 0
+    for r in q["linears"]:
+        fed = r["input"].startswith("int8 rows from")
+        assert (r["handed_over"] if fed else r["quantized_here"]) == r["calls"] >= 1, r
+    live = want.abs().amax(-1) > 0  # the tiny models' pad and BOS embeddings are zero rows: zero logits in both
+    assert torch.equal(got.abs().amax(-1) > 0, live) and int(live.sum()) >= 40
+    cos = torch.nn.functional.cosine_similarity(got[live], want[live], dim=-1)
+    assert float(cos.min()) > 0.99, float(cos.min())
