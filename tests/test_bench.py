@@ -54,9 +54,13 @@ def test_bench_e2e_runs_every_variant(tmp_path):
                                     "patched cpu, no fusion", "patched cpu, W8A8"}
     for m in data["medians"].values():
         assert m["prefill_s"] > 0 and m["vision_s"] > 0 and m["new_tokens"] == 2
-    assert len(data["goals"]) == 3 and data["dtype"] == "float32"
+    assert len(data["goals"]) == 5 and data["dtype"] == "float32"  # cpu prefill, decode; W8A8 decode, prefill, bytes
     w = data["weights"]
-    assert w["float_model_bytes"] > 0 and w["w8a8_deployed_bytes"] > 0
+    assert w["float_model_bytes"] > w["w8a8_deployed_bytes"] > w["embedding_bytes"] > 0
+    emb, tied = w["embedding_bytes"], w["tied_int8_copy_bytes"]
+    assert w["deployed_vs_float_without_embedding"] == pytest.approx(
+        (w["w8a8_deployed_bytes"] - emb) / (w["float_model_bytes"] - emb))
+    assert tied > 0 and w["deployed_vs_float_without_embedding_tied_head_float"] < w["deployed_vs_float_without_embedding"]
 
 
 @pytest.mark.parametrize("family", ["tiny_qwen3", "tiny_llama"])
