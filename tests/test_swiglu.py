@@ -123,3 +123,38 @@ def test_swiglu_dynamic_quant_zero_row_and_int4():
     torch.manual_seed(5)
     y4, s4 = ops.swiglu_dynamic_quant(torch.randn(4, 40), torch.randn(4, 40), dst_type="int4", backend="torch")
     assert int(y4.max()) <= 7 and int(y4.min()) >= -8 and int(y4.abs().amax(-1).min()) == 7
+
+
+# ---- dequant_swiglu_quant: from one int32 GEMM over the merged gate/up weights ------------------------------
+def test_dequant_swiglu_quant_hand_worked_example():
+    """acc = [gate 10, -20 | up 30, 40] (int32), weight scales [0.1, 0.1, 0.05, 0.05], the row's activation scale 2:
+    gate = [2, -4], up = [3, 4]; activate_left: silu(gate) * up = [2 / (1 + e^-2) * 3, -4 / (1 + e^4) * 4] =
+    [5.2848, -0.2875]; scale = 5.2848 / 127, codes [127, round(-0.2875 / scale)] = [127, -7]. Without
+    activate_left (torch_npu's default) the halves swap roles: silu(up) * gate."""
+    acc = torch.tensor([[10, -20, 30, 40]], dtype=torch.int32)
+    ws, xs = torch.tensor([0.1, 0.1, 0.05, 0.05]), torch.tensor([2.0])
+    y, scale = ops.dequant_swiglu_quant(acc, ws, xs, activate_left=True, backend="torch")
+    first = 2 / (1 + math.exp(-2)) * 3
+    assert float(scale[0]) == pytest.approx(first / 127, rel=1e-6)
+    assert y.tolist() == [[127, round(-4 / (1 + math.exp(4)) * 4 / (first / 127))]] == [[127, -7]]
+    y_right, _ = ops.dequant_swiglu_quant(acc, ws, xs, backend="torch")
+    silu_up = [3 / (1 + math.exp(-3)) * 2, 4 / (1 + math.exp(-4)) * -4]
+    assert y_right.tolist() == [[round(v / (max(map(abs, silu_up)) / 127)) for v in silu_up]]
+
+
+def test_dequant_swiglu_quant_is_the_exact_gemm_then_fp32_swiglu_quant():
+    """From int8 rows and int8 weights: the int32 GEMM output through dequant_swiglu_quant equals, in fp64, the
+    dequantised gate and up (per token x per channel, + bias) through silu(gate) * up * smooth, quantised."""
+    gen = torch.Generator().manual_seed(6)
+    x_q = torch.randint(-128, 128, (9, 256), generator=gen, dtype=torch.int8)
+    w_q = torch.randint(-128, 128, (2 * 96, 256), generator=gen, dtype=torch.int8)
+    xs, ws = torch.rand(9, generator=gen) * 1e-2, torch.rand(2 * 96, generator=gen) * 1e-3
+    bias, smooth = torch.randn(2 * 96, generator=gen) * 0.1, torch.rand(96, generator=gen) + 0.5
+    acc = torch._int_mm(x_q, w_q.t())
+    assert torch.equal(acc.long(), x_q.long() @ w_q.long().t())  # the integer product is exact
+    y, scale = ops.dequant_swiglu_quant(acc, ws, xs, bias, smooth, activate_left=True, backend="torch")
+    f = acc.double() * ws.double() * xs.double().unsqueeze(-1) + bias.double()
+    n = fp64_swiglu(f[:, :96], f[:, 96:]) * smooth.double()
+    exact = n.abs().amax(-1) / 127
+    assert torch.allclose(scale.double(), exact, rtol=1e-5, atol=0)
+    assert int((y.double() - torch.round(n / exact.unsqueeze(-1))).abs().max()) <= 1

@@ -305,6 +305,16 @@ class Choice(Arg):
                                 "value")
 
 
+class Bool(Arg):
+    """A flag (dequant_swiglu_quant's activate_left)."""
+
+    annotation = bool
+
+    def check(self, value, ctx: Context) -> None:
+        if not isinstance(value, bool):
+            raise ArgTypeError(self.name, f"expected True or False, got {type(value).__name__}", "value")
+
+
 class Ints(Arg):
     """A list of non-negative ints (e.g. MRoPE's sections)."""
 

@@ -161,6 +161,32 @@ def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None)
     return (pack_int4_to_int32(y) if int4 else y), scale
 
 
+def npu_dequant_swiglu_quant(x, *, weight_scale=None, activation_scale=None, bias=None, quant_scale=None,
+                             quant_offset=None, group_index=None, activate_left=False, quant_mode=0, swiglu_mode=0,
+                             clamp_limit=7.0, glu_alpha=1.702, glu_bias=1.0):
+    """The documented formula (op-plugin's docs and test golden): x * weight_scale * activation_scale, swish of one
+    half times the other, * quant_scale, dynamic: scale = row_max / 127, y = round(n * (127 / row_max))."""
+    calls.append("npu_dequant_swiglu_quant")
+    _check(_a2_a3(), "npu_dequant_swiglu_quant: Atlas A2/A3 only")
+    _check(x.dim() == 2 and x.dtype == torch.int32 and x.shape[-1] % 2 == 0,
+           f"npu_dequant_swiglu_quant: x must be int32 [T, 2H], got {x.dtype} {tuple(x.shape)}")
+    T, N = x.shape
+    _check(weight_scale is not None and weight_scale.dtype == torch.float32 and tuple(weight_scale.shape) == (1, N),
+           "npu_dequant_swiglu_quant: weight_scale must be float32 [groupNum=1, 2H]")
+    _check(activation_scale is not None and activation_scale.dtype == torch.float32
+           and tuple(activation_scale.shape) == (T, 1), "npu_dequant_swiglu_quant: activation_scale must be float32 [T, 1]")
+    _check(bias is None and group_index is None and quant_offset is None and quant_mode == 1 and swiglu_mode == 0,
+           "npu_dequant_swiglu_quant: only dynamic, ungrouped, bias-free standard swiglu is modelled here")
+    _check(quant_scale is None or tuple(quant_scale.shape) == (1, N // 2), "npu_dequant_swiglu_quant: quant_scale [1, H]")
+    f = x.float() * weight_scale * activation_scale
+    a, b = f.chunk(2, dim=-1)
+    out = torch.nn.functional.silu(a) * b if activate_left else torch.nn.functional.silu(b) * a
+    if quant_scale is not None:
+        out = out * quant_scale.float()
+    amax = out.abs().amax(-1)
+    return torch.round(out * (127 / amax).unsqueeze(-1)).clamp(-128, 127).to(torch.int8), amax / 127
+
+
 def npu_swiglu_quant(x, *, smooth_scales=None, offsets=None, group_index=None, activate_left=False, quant_mode=0,
                      group_list_type=0, dst_type=None):
     """The documented formula (op-plugin's docs and test golden): swish of one half times the other in fp32,

@@ -89,6 +89,7 @@ inline V vabs(V a) { return _mm512_abs_ps(a); }
 inline float vhmax(V a) { return _mm512_reduce_max_ps(a); }
 // quantisation: round half to even, NaN lanes to 0, bits of the NaN lanes, saturating int32 -> int8 store
 inline V vminf(V a, V b) { return _mm512_min_ps(a, b); }
+inline V vload_i32(const int32_t* p) { return _mm512_cvtepi32_ps(_mm512_loadu_si512((const void*)p)); }
 inline V vrint(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline V vnan_to_zero(V a) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), a); }
 inline int vnan_bits(V a) { return (int)_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
@@ -185,6 +186,7 @@ inline float vhmax(V a) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 inline V vminf(V a, V b) { return _mm256_min_ps(a, b); }
+inline V vload_i32(const int32_t* p) { return _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)p)); }
 inline V vrint(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline V vnan_to_zero(V a) { return _mm256_and_ps(a, _mm256_cmp_ps(a, a, _CMP_ORD_Q)); }
 inline int vnan_bits(V a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
