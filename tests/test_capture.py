@@ -255,7 +255,7 @@ def test_committed_case_files_exist():
     w8a8 = {}
     for c in load_cases(ROOT / "tests" / "cases" / "gutenocr_3b_w8a8.json"):
         w8a8.setdefault(c["op"], set()).add(c["args"][0].shape[-1])
-    assert w8a8["swiglu_dynamic_quant"] == {11008, 3420}  # every MLP feeds its down_proj int8 rows
+    assert w8a8["dequant_swiglu_quant"] == {2 * 11008, 2 * 3420}  # every MLP: one int32 GEMM -> down_proj's rows
     assert w8a8["dynamic_quant"] == {2048, 1280, 5120}  # o_proj, vision attn.proj, the merger's linears
 
 

@@ -456,8 +456,8 @@ def test_capture_in_w8a8_mode_records_quant_cases_that_pass_on_cpu(tiny_loaded, 
     cases = load_cases(out)
     ops_seen = {c["op"] for c in cases}
     # rms_norm: the merger's ln_q (its linear reads regrouped rows); quant_matmul: every int8 linear's real shapes
-    assert {"rms_norm", "rms_norm_dynamic_quant", "add_rms_norm_dynamic_quant", "swiglu_dynamic_quant",
-            "quant_matmul"} <= ops_seen
+    assert {"rms_norm", "rms_norm_dynamic_quant", "add_rms_norm_dynamic_quant", "dequant_swiglu_quant",
+            "dynamic_quant", "quant_matmul"} <= ops_seen
     matmuls = [c for c in cases if c["op"] == "quant_matmul"]
     assert {tuple(c["args"][1].shape) for c in matmuls} >= {(128, 128), (640, 128)}  # q_proj's and lm_head's weights
     assert {"text.q_proj", "text.lm_head", "vision.qkv", "vision.mlp.0"} <= {s for c in matmuls for s in c["sites"]}
@@ -621,3 +621,34 @@ def test_text_families_run_every_linear_int8(name):
     assert torch.equal(got.abs().amax(-1) > 0, live) and int(live.sum()) >= 40
     cos = torch.nn.functional.cosine_similarity(got[live], want[live], dim=-1)
     assert float(cos.min()) > 0.99, float(cos.min())
+
+
+def test_an_mlp_runs_one_int32_gemm_and_dequant_swiglu_quant(tiny_loaded, sample_inputs, calib_file):
+    """gate and up read one norm's int8 rows: one exact int32 GEMM over their merged weights (views: no second
+    copy), dequant_swiglu_quant to down_proj's int8 rows. On the torch backend the MLP's output equals the
+    formula composed by hand from the integer product."""
+    model = copy.deepcopy(tiny_loaded[0])
+    report = patch_model(model, backend="torch", quant="w8a8", calibration=calib_file)
+    for mlp in (model.model.language_model.layers[1].mlp, model.model.visual.blocks[0].mlp):  # no bias / biases
+        site = mlp.__dict__["_pypto_gym_site"]
+        w_q, w_scale, gate, up = site.quant.merged
+        I = gate.w_q.shape[0]
+        assert gate.w_q.data_ptr() == w_q.data_ptr() and up.w_q.data_ptr() == w_q[I:].data_ptr()
+        gen = torch.Generator().manual_seed(7)
+        q = torch.randint(-128, 128, (3, 5, w_q.shape[1]), generator=gen, dtype=torch.int8)
+        scale = torch.rand(3, 5, generator=gen) * 1e-2
+        x = activations.issue(q, scale, gate.source.smooth, mlp.gate_proj.weight.dtype, gate.source)
+        with torch.no_grad():
+            got = mlp(x)
+        acc = (q.long() @ w_q.long().t()).to(torch.int32)  # the exact integer product
+        bias = None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]).detach()
+        y, y_scale = OPS["dequant_swiglu_quant"].golden(acc, w_scale, scale, bias, site.quant.inv_smooth, True, "int8")
+        down = quant_linear.quant_linear_of(mlp.down_proj)
+        want = OPS["quant_matmul"].golden(y, down.w_q, y_scale, down.w_scale, mlp.down_proj.bias, got.dtype)
+        assert torch.equal(got, want)
+        assert site.quant.row()["int32_calls"] == 1 and gate.handed_over == up.handed_over == 1
+    _logits(model, sample_inputs)
+    mlps = [r for r in report.to_json()["sites"] if r["op"] == "swiglu"]
+    assert len(mlps) == 8 and all(r["quant"]["gate_up_int32_gemm"] and r["quant"]["int32_calls"] >= 1 for r in mlps)
+    rows = {r["path"]: r for r in report.to_json()["w8a8"]["linears"]}
+    assert all(r["handed_over"] == r["calls"] >= 1 for p, r in rows.items() if p.endswith(("gate_proj", "up_proj")))

@@ -1,20 +1,64 @@
 """QuantMlp: a patched SwiGLU MLP in W8A8 mode, handing its activation to an int8 down_proj as int8 rows.
 
-gate_proj and up_proj are int8 linears fed by the norm before the MLP (plan.py); between them and
-down_proj, `swiglu_dynamic_quant` computes silu(gate) * up, multiplies it by the calibrated smooth
-scale and quantises it per row in one pass, so down_proj reads int8 rows and no [tokens, I] float
-activation is written. Its smooth scale is fp32, as torch_npu's npu_swiglu_quant takes it.
+gate_proj and up_proj are int8 linears fed by the norm before the MLP (plan.py). Where both read that
+norm's int8 rows and the tensors are on the CPU, the MLP runs them as one int32 GEMM over their
+merged weights (`torch._int_mm`: the two linears' int8 weights are views of one [2I, K] tensor, no
+second copy) and `dequant_swiglu_quant` takes the int32 output to down_proj's int8 rows: no float
+gate, up or activation is written. Otherwise (hooks on gate_proj/up_proj, rows that escaped, another
+device) the linears run as modules and `swiglu_dynamic_quant` quantises silu(gate) * up; the report
+counts both. Either way the arithmetic is W8A8's own, not HF's roundings: the int32 path dequantises
+in fp32 as torch_npu does. The smooth scale is fp32, as torch_npu's swiglu quant ops take it.
 """
 from __future__ import annotations
 
+import torch
+
 from .. import ops
+from ..patching.site import has_hooks
 from . import activations
 
 
 class QuantMlp(activations.Producer):
     """The W8A8 half of one patched MLP site (its Site keeps the path, cast mode, backend and counters)."""
 
+    def __init__(self, inv_smooth):
+        super().__init__(inv_smooth)
+        self.merged = None  # (w_q [2I, K], w_scale [2I], gate QuantLinear, up QuantLinear) for the int32 path
+        self.int32_calls = 0  # calls that ran one int32 GEMM + dequant_swiglu_quant
+
+    def merge(self, gate, up) -> None:
+        """Make gate's and up's int8 weights and scales the two halves of one tensor (the int32 path's weight)."""
+        I = gate.w_q.shape[0]
+        w_q, w_scale = torch.cat([gate.w_q, up.w_q]), torch.cat([gate.w_scale, up.w_scale])
+        gate.w_q, up.w_q = w_q[:I], w_q[I:]
+        gate.w_scale, up.w_scale = w_scale[:I], w_scale[I:]
+        self.merged = (w_q, w_scale, gate, up)
+
+    def row(self) -> dict:
+        return {**super().row(), "gate_up_int32_gemm": self.merged is not None, "int32_calls": self.int32_calls}
+
+    def _handed_rows(self, module, x):
+        """(q, scale) of the norm's int8 rows if the int32 path can take them exactly, else None."""
+        if self.merged is None or type(x) is not activations.QuantRows or x.device.type != "cpu":
+            return None
+        if torch.compiler.is_compiling() or has_hooks(module.gate_proj) or has_hooks(module.up_proj):
+            return None  # a traced graph, or hooks that expect to see gate_proj's and up_proj's outputs
+        return x.handed_over(self.merged[2].source)
+
     def forward(self, site, module, x):
+        rows = self._handed_rows(module, x)
+        if rows is not None:
+            q, x_scale = rows
+            w_q, w_scale, gate, up = self.merged
+            acc = torch._int_mm(q.reshape(-1, q.shape[-1]), w_q.t()).reshape(*q.shape[:-1], w_q.shape[0])
+            biases = (gate.module.bias, up.module.bias)
+            bias = None if biases[0] is None else torch.cat(biases).detach()
+            y, scale = ops.dequant_swiglu_quant(acc, w_scale, x_scale, bias, self.inv_smooth, activate_left=True,
+                                                backend=site.call.backend, stats=site.stats)
+            gate.handed_over += 1
+            up.handed_over += 1
+            self.int32_calls += 1
+            return module.down_proj(self.hand_over(y, scale, x.dtype))
         gate, up = module.gate_proj(x), module.up_proj(x)
         q, scale = ops.swiglu_dynamic_quant(gate, up, self.inv_smooth, cast_mode=site.cast_mode,
                                             backend=site.call.backend, stats=site.stats)

@@ -210,6 +210,12 @@ def install(model, state) -> QuantPlan:
             (plan.mlps if kind is QuantMlp else plan.norms)[site.path] = producer
             for path, linear in found:
                 _add(plan, path, linear, producer, backend, why)
+        for site in fed:  # an MLP whose gate and up read one norm's rows: one int32 GEMM over both weights
+            if isinstance(site, MlpSite):
+                gate, up = quant_linear_of(site.module.gate_proj), quant_linear_of(site.module.up_proj)
+                if gate is not None and up is not None and gate.source is not None and gate.source is up.source \
+                        and (gate.module.bias is None) == (up.module.bias is None):
+                    site.quant.merge(gate, up)
         for path, linear in own:
             s = smooth.get(path)
             inv = None if s is None else (1.0 / s).to(device=linear.weight.device, dtype=linear.weight.dtype)
