@@ -113,6 +113,10 @@ class TextProcessor:
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)
 
+    def save_pretrained(self, out) -> None:
+        """The tokenizer files (with the chat template), as this class reads them back."""
+        self.tokenizer.save_pretrained(out)
+
     def __call__(self, prompts, images=None, model=None):
         if images is not None and any(im is not None for im in images):
             raise ValueError("--image: this is a text-only model; it takes prompts only")

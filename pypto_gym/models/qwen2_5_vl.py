@@ -144,6 +144,11 @@ class Processor:
         self.image_token = "<|image_pad|>"
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
 
+    def save_pretrained(self, out) -> None:
+        """The tokenizer and image-processor files, as this class and AutoProcessor read them back."""
+        self.tokenizer.save_pretrained(out)
+        self.image_processor.save_pretrained(out)
+
     def token_ids(self) -> dict:
         """Special-token ids of this tokenizer under the config keys Qwen2.5-VL uses."""
         ids = {t: self.tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}

@@ -77,7 +77,9 @@ def _refuse_nested(model) -> None:
 
 def _say_unavailable(state: PatchState) -> None:
     """A backend that cannot build/load is reported once, loudly, at patch time (raised when strict)."""
-    devices = {execution_device(s.module, next(s.module.parameters(), torch.empty(0))) for s in state.sites}
+    # a meta parameter holds no data (an int8 linear loaded from a checkpoint, a released float weight): skipped
+    devices = {execution_device(s.module, next((p for p in s.module.parameters() if not p.is_meta), torch.empty(0)))
+               for s in state.sites}
     for device_type in sorted(devices):
         reason = registry.prepare(state.options.backend, device_type)  # builds/loads kernels now
         if reason is None:

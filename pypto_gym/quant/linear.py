@@ -16,6 +16,7 @@ from ..patching.site import SwappedForward, part
 from . import activations
 
 _SLOT = "_pypto_gym_quant_linear"
+STORED = "_pypto_gym_stored_int8"  # (w_q, w_scale) of a linear loaded from an int8 checkpoint (export.load)
 _STATE = config.STATE
 WEIGHT_CHUNK_ROWS = 4096  # quantise weights a slice at a time: lm_head's fp32 copy would be ~1.2 GB at once
 
@@ -54,7 +55,12 @@ class QuantLinear(SwappedForward):
         # escaped) or this linear's own; the weight is quantised from W * s with s = exactly 1 / inv_smooth
         self.inv_smooth = source.inv_smooth if source is not None else inv_smooth
         smooth = None if self.inv_smooth is None else 1.0 / self.inv_smooth.float()
-        self.w_q, self.w_scale = quantize_weight(module.weight, smooth)
+        stored = module.__dict__.get(STORED)  # loaded from an int8 checkpoint: used as it is
+        if stored is not None and smooth is not None:
+            raise ValueError(f"{path}: its int8 weight was loaded from a checkpoint (smoothing, if any, is folded "
+                             f"into it); a calibration file cannot apply")
+        self.stored = stored is not None
+        self.w_q, self.w_scale = stored if stored is not None else quantize_weight(module.weight, smooth)
         self.stats = Stats(site=linear_kind(path))  # a recorder files its quant_matmul calls under it
         self.float_weight_shared = False  # the float weight is also another module's (tied embeddings)
         self.handed_over = 0  # calls that took the norm's int8 rows as they were
@@ -86,7 +92,7 @@ def quant_linear_forward(module, x):
     """The forward of every QuantLinear: the producer's int8 rows if they were handed over, else x quantised here."""
     ql = module.__dict__[_SLOT]
     if not _STATE.enabled:
-        if ql.released_bytes:
+        if ql.released_bytes or ql.stored:
             raise RuntimeError(f"{ql.path}: pypto-gym is switched off (USE_PTO_RMS_NORM=0 / set_enabled(False)) but "
                                f"this int8 linear's float weight was released (release_float_weights=True): there "
                                f"is no float path to run; switch it on, or load the model again for the float model")

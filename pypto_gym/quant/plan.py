@@ -89,6 +89,10 @@ class QuantPlan:
     def unpatch_refusal(self) -> str | None:
         """Why unpatch_model cannot restore the float model (its weights were released), else None."""
         released = [ql.path for ql in self.linears if ql.released_bytes]
+        stored = [ql.path for ql in self.linears if ql.stored]
+        if stored:
+            return (f"{len(stored)} int8 linears (e.g. {stored[0]}) were loaded from an int8 checkpoint: there are no "
+                    f"float weights to restore")
         if not released:
             return None
         return (f"the float weights of {len(released)} int8 linears (e.g. {released[0]}) were released "

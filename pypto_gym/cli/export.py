@@ -1,0 +1,37 @@
+"""`pypto-gym export`: the model patched in W8A8 mode, written as a compressed-tensors checkpoint (int8
+weights + per-channel scales, config with quantization_config, tokenizer/processor, generation config)."""
+from __future__ import annotations
+
+from . import common
+
+
+def add_parser(sub):
+    p = sub.add_parser("export", help="write the W8A8 model as a compressed-tensors checkpoint")
+    common.add_model_args(p, random_weights=True)
+    p.add_argument("--format", choices=["compressed-tensors"], default="compressed-tensors")
+    p.add_argument("--float-linears", default=None,
+                   help="globs over linear kinds or paths kept in the model dtype (e.g. 'text.q_proj')")
+    p.add_argument("out", help="a new or empty directory")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from ..inference import resolve_device
+    from ..patching import patch_model
+    from ..quant import export
+
+    family = common.model_family(args)
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise common.UserError(f"out: {out} exists and is not an empty directory; expected a new or empty one")
+    device = resolve_device(getattr(args, "device", None) or "cpu")
+    model, processor, _ = common.load_model(args, family, device)
+    report = patch_model(model, backend="cpu", quant="w8a8", float_linears=args.float_linears)
+    wrote = export.save(model, out, processor)
+    s = report.to_json()["w8a8"]["summary"]
+    print(f"{args.format} checkpoint written to {out}: {len(wrote['int8'])} int8 linears (weight int8 + weight_scale "
+          f"fp32 per output channel), {len(wrote['ignore'])} float ({', '.join(wrote['ignore'][:3])}"
+          f"{', ...' if len(wrote['ignore']) > 3 else ''}); {s['int8_weight_bytes'] / 2 ** 20:.1f} MB of int8 weights")
+    return 0

@@ -1,0 +1,225 @@
+"""Save a W8A8-patched model as a compressed-tensors checkpoint (`format: int-quantized`).
+
+What llm-compressor writes for W8A8 with per-channel symmetric int8 weights and per-token dynamic
+int8 activations, and what transformers (through compressed-tensors), vLLM and vllm-ascend load:
+each int8 linear's `weight` as int8 [out, in] and `weight_scale` as fp32 [out, 1] (ours exactly: the
+weight the int8 linear runs is the one written, no re-quantisation), every other tensor as the
+model holds it, and a `quantization_config` naming the scheme and the linears left float (`ignore`:
+a tied lm_head, whose weight is the embedding's, `float_linears`, a tower without producers).
+
+A smoothed model (a calibration file) is refused: its int8 linears read rows multiplied by 1/s
+inside the fused ops, and compressed-tensors has no tensor for an activation smooth scale; folding
+it into the norms' and up_proj's weights is not built yet.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .linear import STORED
+
+FORMAT = "compressed-tensors"
+
+
+def quantization_config(ignore: list[str]) -> dict:
+    """The `quantization_config` of config.json: one group, every nn.Linear not in `ignore`."""
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "block_structure": None,
+            "actorder": None, "observer": None, "observer_kwargs": {}}
+    return {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "format": "int-quantized", "output_activations": None,
+            "weights": {**int8, "strategy": "channel", "dynamic": False, "observer": "minmax"},
+            "input_activations": {**int8, "strategy": "token", "dynamic": True},
+        }},
+        "ignore": sorted(ignore), "kv_cache_scheme": None, "global_compression_ratio": None,
+    }
+
+
+def save(model, out_dir, processor=None) -> dict:
+    """Write the W8A8-patched `model` (and its processor/tokenizer) to `out_dir` as a compressed-tensors
+    checkpoint; returns {"int8": [paths], "ignore": [paths]}. Refused, before anything is written, for a
+    model that is not patched in W8A8 mode or is smoothed."""
+    from ..patching.api import _STATE_ATTR
+
+    state = model.__dict__.get(_STATE_ATTR)
+    plan = None if state is None else state.quant
+    if plan is None:
+        raise ValueError("export: the model is not patched with quant='w8a8'; patch it first (its int8 weights "
+                         "are what is written)")
+    if plan.calibration is not None or any(ql.inv_smooth is not None for ql in plan.linears):
+        raise ValueError(f"export: the model is smoothed (calibration {plan.calibration}); compressed-tensors stores no "
+                         f"activation smooth scale and folding it into the weights is not built yet: export a model "
+                         f"patched without calibration")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"export: {out} exists and is not empty; expected a new or empty directory")
+    tensors = {}
+    int8, ignore = [], []
+    for ql in plan.linears:
+        if ql.float_weight_shared:  # a tied lm_head: its weight is the embedding's, written once, float
+            ignore.append(ql.path)
+            continue
+        int8.append(ql.path)
+        tensors[f"{ql.path}.weight"] = ql.w_q.contiguous()
+        tensors[f"{ql.path}.weight_scale"] = ql.w_scale.reshape(-1, 1).to(torch.float32).contiguous()
+    ignore += [r["path"] for r in plan.float_linears]
+    state_dict = {k: v for k, v in model.state_dict().items() if not v.is_meta}
+    state_dict.update(tensors)
+    missing = [k for k, v in model.state_dict().items() if v.is_meta and k not in state_dict]
+    if missing:
+        raise ValueError(f"export: {missing[0]} has no data (released and not an int8 weight)")
+    model.save_pretrained(out, state_dict=state_dict)
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = quantization_config(ignore)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tied = [ql.path for ql in plan.linears if ql.float_weight_shared]  # int8 in memory, float on disk
+    (out / SIDECAR).write_text(json.dumps({"format": "pypto_gym-export-1", "quantised_from_float": tied},
+                                          indent=2) + "\n")
+    if processor is not None:
+        processor.save_pretrained(out)
+    return {"int8": int8, "ignore": sorted(ignore)}
+
+
+# ---- loading a compressed-tensors W8A8 checkpoint onto the fused kernels ----------------------------------
+SIDECAR = "pypto_gym_export.json"  # what export wrote beyond the format: the tied linears quantised from a float table
+
+
+def _check_scheme(where: str, qc) -> None:
+    """The one scheme the fused kernels run: int8 symmetric per-channel weights, int8 symmetric dynamic per-token
+    activations, `int-quantized`; anything else refused naming the field."""
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        raise ValueError(f"{where}: quantization_config.quant_method {None if not isinstance(qc, dict) else qc.get('quant_method')!r}; "
+                         f"expected 'compressed-tensors'")
+    if qc.get("format") not in ("int-quantized", "naive-quantized"):
+        raise ValueError(f"{where}: quantization_config.format {qc.get('format')!r}; expected 'int-quantized'")
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ValueError(f"{where}: quantization_config.config_groups has {len(groups)} groups; expected one")
+    (name, group), = groups.items()
+    w, a = group.get("weights") or {}, group.get("input_activations") or {}
+    want = [("weights", w, {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}),
+            ("input_activations", a, {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                      "dynamic": True})]
+    for label, got, fields in want:
+        for key, value in fields.items():
+            if got.get(key) != value:
+                raise ValueError(f"{where}: config_groups.{name}.{label}.{key} is {got.get(key)!r}; expected {value!r} "
+                                 f"(W8A8: int8 per-channel weights, int8 dynamic per-token activations)")
+
+
+def _read_tensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors file")
+    out = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu"):
+    """(model, processor, family, report): a compressed-tensors W8A8 checkpoint (written by `save` or by
+    llm-compressor) as a model patched in W8A8 mode whose int8 linears run the stored int8 weights and scales
+    as they are (no re-quantisation) on the fused kernels. Every int8 linear's tensors are checked (dtype,
+    shape, a scale per output channel) and a problem is refused naming the tensor, before the model is built."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.initialization import no_init_weights
+
+    from .. import models
+    from ..patching.api import patch_model
+
+    path = Path(path)
+    where = f"checkpoint {path}"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{where}: no config.json")
+    raw = json.loads((path / "config.json").read_text())
+    qc = raw.get("quantization_config")
+    _check_scheme(where, qc)
+    tensors = _read_tensors(path)
+    sidecar = json.loads((path / SIDECAR).read_text()) if (path / SIDECAR).is_file() else {}
+    scales = {k[:-len(".weight_scale")] for k in tensors if k.endswith(".weight_scale")}
+    stored = {}
+    for lin in sorted(scales):
+        w, s = tensors.get(f"{lin}.weight"), tensors[f"{lin}.weight_scale"]
+        if w is None:
+            raise ValueError(f"{where}: tensor '{lin}.weight_scale' has no '{lin}.weight'")
+        if w.dtype != torch.int8 or w.dim() != 2:
+            raise ValueError(f"{where}: tensor '{lin}.weight' is {str(w.dtype).replace('torch.', '')} "
+                             f"{list(w.shape)}; expected int8 [out, in]")
+        if not s.is_floating_point() or tuple(s.shape) not in ((w.shape[0], 1), (w.shape[0],)):
+            raise ValueError(f"{where}: tensor '{lin}.weight_scale' is {str(s.dtype).replace('torch.', '')} "
+                             f"{list(s.shape)}; expected a float [{w.shape[0]}, 1] (one scale per output channel)")
+        if not torch.isfinite(s).all() or (s < 0).any():
+            raise ValueError(f"{where}: tensor '{lin}.weight_scale' has values that are not finite and >= 0")
+        stored[lin] = (tensors.pop(f"{lin}.weight"), tensors.pop(f"{lin}.weight_scale").reshape(-1).to(torch.float32))
+    for name, t in tensors.items():
+        if t.dtype == torch.int8:
+            raise ValueError(f"{where}: tensor {name!r} is int8 but has no '{name.rpartition('.')[0]}.weight_scale'")
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    family = models.family(config.model_type)
+    cls = AutoModelForImageTextToText if family.MULTIMODAL else AutoModelForCausalLM
+    torch_dtype = getattr(torch, dtype) if dtype != "auto" else getattr(config, "dtype", None) or torch.float32
+    with no_init_weights():
+        model = cls.from_config(config, dtype=torch_dtype)
+    model.tie_weights()  # a tied lm_head is the embedding's tensor, written once
+    expected = model.state_dict()
+    for lin, (w_q, _) in stored.items():
+        if f"{lin}.weight" not in expected:
+            raise ValueError(f"{where}: tensor '{lin}.weight' names no linear of this {config.model_type} model")
+        if tuple(expected[f"{lin}.weight"].shape) != tuple(w_q.shape):
+            raise ValueError(f"{where}: tensor '{lin}.weight' is {list(w_q.shape)}; the model's {lin} is "
+                             f"{list(expected[f'{lin}.weight'].shape)}")
+        tensors[f"{lin}.weight"] = w_q
+    missing = sorted(set(expected) - set(tensors) - _tied_keys(model))
+    if missing:
+        raise ValueError(f"{where}: no tensor {missing[0]!r} ({len(missing)} of the model's tensors missing)")
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise ValueError(f"{where}: tensor {extra[0]!r} names nothing in this {config.model_type} model")
+    for lin in stored:  # placeholders of the model's dtype, so the state dict loads; replaced below
+        tensors[f"{lin}.weight"] = torch.zeros(tensors[f"{lin}.weight"].shape, dtype=torch_dtype)
+    model.load_state_dict(tensors, strict=False, assign=True)
+    model.tie_weights()
+    model = model.to(device).eval()
+    for lin, (w_q, w_scale) in stored.items():  # the float weight is absent: only the int8 one exists
+        module = model.get_submodule(lin)
+        module._parameters["weight"] = torch.nn.Parameter(torch.empty(w_q.shape, dtype=torch_dtype, device="meta"),
+                                                          requires_grad=False)
+        module.__dict__[STORED] = (w_q.to(device), w_scale.to(device))
+    tied = set(sidecar.get("quantised_from_float", ()))
+    linears = {p for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    for p in sorted(tied):
+        if p not in linears or p in stored:
+            raise ValueError(f"{where}: {SIDECAR} names {p!r} as a linear quantised from its float table; the "
+                             f"model has {'its int8 weight' if p in stored else 'no such linear'}")
+    float_paths = [p for p, m in model.named_modules() if isinstance(m, torch.nn.Linear) and p not in stored
+                   and p not in tied]
+    report = patch_model(model, backend=backend, quant="w8a8", float_linears=float_paths or None)
+    from .linear import quant_linear_of
+
+    lost = [lin for lin in stored if quant_linear_of(model.get_submodule(lin)) is None]
+    if lost:
+        raise ValueError(f"{where}: int8 linear {lost[0]} could not run int8 here (its producer stays float: "
+                         f"{report.to_json()['w8a8']['skipped_producers'][:1]})")
+    from ..models.common import TextProcessor
+    from ..models.qwen2_5_vl import Processor
+
+    return model, (Processor if family.MULTIMODAL else TextProcessor)(path), family, report
+
+
+def _tied_keys(model) -> set:
+    """State-dict keys of parameters tied to another (a tied lm_head): save_pretrained writes them once."""
+    seen, tied = {}, set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.add(name)
+        seen.setdefault(id(p), name)
+    return tied

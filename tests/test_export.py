@@ -1,0 +1,175 @@
+"""`pypto-gym export` / quant.export: a W8A8 model as a compressed-tensors checkpoint, checked against its real
+consumers: transformers' from_pretrained (through compressed-tensors) and pypto-gym's own loader."""
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pypto_gym import models, patch_model, unpatch_model
+from pypto_gym.cli import main as cli_main
+from pypto_gym.inference import open_image
+from pypto_gym.models.qwen2_5_vl import SAMPLE_IMAGE
+from pypto_gym.patching import PatchError
+from pypto_gym.quant import export
+from pypto_gym.quant.linear import quant_linear_of
+
+
+def _inputs(processor, family):
+    if family.MULTIMODAL:
+        return processor(["Read the text in the image."], [open_image(SAMPLE_IMAGE)], None)
+    return processor(list(family.CALIBRATION_PROMPTS[:2]), None, None)
+
+
+def _logits(model, batch):
+    with torch.no_grad():
+        return model(**batch).logits.float()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The embedded Qwen2.5-VL in fp32, W8A8 on cpu (every linear int8), its logits, and its export."""
+    model, processor, family = models.load(None, "float32")
+    patch_model(model, backend="cpu", quant="w8a8")
+    out = tmp_path_factory.mktemp("ct") / "tiny_w8a8"
+    wrote = export.save(model, out, processor)
+    return model, processor, family, _logits(model, _inputs(processor, family)), out, wrote
+
+
+def test_the_export_holds_the_int8_weights_and_scales_the_model_runs(exported):
+    model, _, _, _, out, wrote = exported
+    tensors = load_file(str(out / "model.safetensors"))
+    assert len(wrote["int8"]) == 50 and wrote["ignore"] == ["lm_head"]  # the tied lm_head is the embedding's table
+    for path in wrote["int8"]:
+        ql = quant_linear_of(model.get_submodule(path))
+        assert tensors[f"{path}.weight"].dtype == torch.int8 and torch.equal(tensors[f"{path}.weight"], ql.w_q)
+        scale = tensors[f"{path}.weight_scale"]
+        assert scale.dtype == torch.float32 and scale.shape == (ql.w_q.shape[0], 1)
+        assert torch.equal(scale.flatten(), ql.w_scale)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "int-quantized" and qc["ignore"] == ["lm_head"]
+    group = qc["config_groups"]["group_0"]
+    assert group["weights"]["strategy"] == "channel" and group["input_activations"]["strategy"] == "token"
+    assert group["input_activations"]["dynamic"] is True
+    from compressed_tensors.quantization import QuantizationConfig
+
+    parsed = QuantizationConfig.model_validate(qc)  # compressed-tensors' own schema accepts it
+    assert parsed.config_groups["group_0"].weights.num_bits == 8
+    for name in ("tokenizer.json", "preprocessor_config.json", "generation_config.json", "chat_template.jinja"):
+        assert (out / name).is_file(), name
+
+
+def test_transformers_loads_the_export_and_agrees(exported):
+    """transformers + compressed-tensors run the export as W8A8 emulation (int8 weights dequantised, activations
+    quantised per token with their own rounding): the logits agree with ours within the format's precision."""
+    from transformers import AutoModelForImageTextToText
+
+    model, processor, family, ours, out, wrote = exported
+    hf = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    theirs = _logits(hf, _inputs(processor, family))
+    float_model = models.load(None, "float32")[0]
+    ref = _logits(float_model, _inputs(processor, family))
+    live = ref.abs().amax(-1) > 0
+    cos = torch.nn.functional.cosine_similarity(theirs[live], ours[live], dim=-1)
+    assert float(cos.min()) > 0.999, float(cos.min())
+    path = wrote["int8"][0]  # the weight transformers runs is ours, dequantised
+    ql = quant_linear_of(model.get_submodule(path))
+    w = hf.get_submodule(path).weight
+    assert torch.allclose(w.float(), ql.w_q.float() * ql.w_scale.unsqueeze(-1), rtol=1e-6, atol=0)
+
+
+def test_pypto_gym_loads_the_export_onto_the_fused_kernels_with_equal_logits(exported):
+    model, processor, family, ours, out, wrote = exported
+    loaded, loaded_processor, fam, report = export.load(out, backend="cpu")
+    assert fam is family
+    assert torch.equal(_logits(loaded, _inputs(loaded_processor, family)), ours)
+    q = report.to_json()["w8a8"]
+    assert q["summary"]["int8"] == 51 and q["summary"]["fallbacks"] == 0
+    stored = [p for p in wrote["int8"] if quant_linear_of(loaded.get_submodule(p)).stored]
+    assert len(stored) == 50 and all(loaded.get_submodule(p).weight.is_meta for p in stored)  # no float copy
+    with pytest.raises(PatchError, match="loaded from an int8 checkpoint: there are no float weights"):
+        unpatch_model(loaded)
+
+
+def test_a_text_family_round_trips(tmp_path):
+    family = models.FAMILIES["qwen3"]
+    model, processor = family.load(family.TINY_DIR, "float32", "cpu")
+    patch_model(model, backend="cpu", quant="w8a8")
+    ours = _logits(model, _inputs(processor, family))
+    export.save(model, tmp_path / "q3", processor)
+    loaded, loaded_processor, _, _ = export.load(tmp_path / "q3", backend="cpu")
+    assert torch.equal(_logits(loaded, _inputs(loaded_processor, family)), ours)
+
+
+def _damaged(src, tmp_path, edit):
+    dst = tmp_path / "bad"
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    edit(tensors, config)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+O_PROJ = "model.language_model.layers.0.self_attn.o_proj"
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda t, c: t.pop(f"{O_PROJ}.weight_scale"), f"tensor '{O_PROJ}.weight' is int8 but has no '{O_PROJ}.weight_scale'"),
+    (lambda t, c: t.__setitem__(f"{O_PROJ}.weight_scale", t[f"{O_PROJ}.weight_scale"][:-1]),
+     rf"tensor '{O_PROJ}.weight_scale' is float32 \[127, 1\]; expected a float \[128, 1\]"),
+    (lambda t, c: t.__setitem__(f"{O_PROJ}.weight", t[f"{O_PROJ}.weight"].float()),
+     rf"tensor '{O_PROJ}.weight' is float32 \[128, 128\]; expected int8"),
+    (lambda t, c: t.__setitem__(f"{O_PROJ}.weight", t[f"{O_PROJ}.weight"][:, :64].contiguous()),
+     rf"tensor '{O_PROJ}.weight' is \[128, 64\]; the model's {O_PROJ} is \[128, 128\]"),
+    (lambda t, c: t.pop("model.language_model.norm.weight"), "no tensor 'model.language_model.norm.weight'"),
+    (lambda t, c: t.__setitem__("model.extra.weight", torch.zeros(2)), "tensor 'model.extra.weight' names nothing"),
+    (lambda t, c: c["quantization_config"]["config_groups"]["group_0"]["input_activations"].__setitem__("dynamic",
+                                                                                                        False),
+     r"config_groups.group_0.input_activations.dynamic is False; expected True"),
+    (lambda t, c: c["quantization_config"].__setitem__("format", "pack-quantized"),
+     "quantization_config.format 'pack-quantized'; expected 'int-quantized'"),
+])
+def test_a_malformed_export_is_refused_naming_the_tensor(exported, tmp_path, edit, match):
+    with pytest.raises(ValueError, match=match):
+        export.load(_damaged(exported[4], tmp_path, edit), backend="cpu")
+
+
+def test_the_sidecar_naming_a_missing_linear_is_refused(exported, tmp_path):
+    bad = _damaged(exported[4], tmp_path, lambda t, c: None)
+    (bad / export.SIDECAR).write_text(json.dumps({"quantised_from_float": ["model.nothing"]}))
+    with pytest.raises(ValueError, match="names 'model.nothing' as a linear quantised from its float table; the model "
+                                         "has no such linear"):
+        export.load(bad, backend="cpu")
+
+
+def test_save_refuses_what_it_cannot_write(tmp_path, exported):
+    model = models.load(None, "float32")[0]
+    with pytest.raises(ValueError, match="not patched with quant='w8a8'"):
+        export.save(model, tmp_path / "a")
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        export.save(exported[0], exported[4])
+
+
+def test_cli_export(tmp_path, capsys):
+    assert cli_main(["export", str(tmp_path / "cli")]) == 0
+    assert "compressed-tensors checkpoint written to" in capsys.readouterr().out
+    assert (tmp_path / "cli" / "model.safetensors").is_file()
+
+
+def test_a_smoothed_model_is_refused(tmp_path):
+    from pypto_gym.quant import calibration
+
+    model, processor, family = models.load(None, "float32")
+    with calibration.Calibrator(model) as cal:
+        _logits(model, _inputs(processor, family))
+    calibration.save(tmp_path / "s.safetensors", calibration.smooth_scales(model, cal.absmax, 0.5), 0.5,
+                     model.config.model_type, ["one input"])
+    patch_model(model, backend="cpu", quant="w8a8", calibration=tmp_path / "s.safetensors")
+    with pytest.raises(ValueError, match="the model is smoothed .* compressed-tensors stores no activation smooth scale"):
+        export.save(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # refused before anything is written
