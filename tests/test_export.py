@@ -1,7 +1,7 @@
 """`pypto-gym export` / quant.export: a W8A8 model as a compressed-tensors checkpoint, checked against its real
 consumers: transformers' from_pretrained (through compressed-tensors) and pypto-gym's own loader."""
-import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,3 +173,27 @@ def test_a_smoothed_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="the model is smoothed .* compressed-tensors stores no activation smooth scale"):
         export.save(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+LLMC = Path(__file__).parent / "fixtures" / "llmcompressor_w8a8"
+
+
+def test_a_checkpoint_written_by_llm_compressor_runs_on_the_fused_kernels():
+    """scripts/make_llmcompressor_fixture.py: llm-compressor 0.14's SmoothQuant + W8A8 (int8 dynamic-token) recipe
+    on the embedded checkpoint, the decoder int8, lm_head and the vision tower float. pypto-gym runs its int8
+    linears on the stored weights (its smoothing is folded into them and the norms), within the format's
+    precision of compressed-tensors' own forward of the same directory."""
+    from transformers import AutoModelForImageTextToText
+
+    model, processor, family, report = export.load(LLMC, backend="cpu")
+    q = report.to_json()["w8a8"]
+    assert q["summary"]["int8"] == 28 and q["summary"]["fallbacks"] == 0  # 4 layers x q/k/v/o/gate/up/down
+    assert all(quant_linear_of(model.get_submodule(r["path"])).stored for r in q["linears"] if r["became"] == "w8a8")
+    batch = _inputs(processor, family)
+    ours = _logits(model, batch)
+    theirs = _logits(AutoModelForImageTextToText.from_pretrained(LLMC, dtype=torch.float32), batch)
+    live = theirs.abs().amax(-1) > 0
+    cos = torch.nn.functional.cosine_similarity(ours[live], theirs[live], dim=-1)
+    assert float(cos.min()) > 0.999, float(cos.min())
+    rows = {r["path"]: r for r in report.to_json()["w8a8"]["linears"]}
+    assert rows["model.language_model.layers.0.mlp.down_proj"]["handed_over"] >= 1  # fed by the fused MLP
