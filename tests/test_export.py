@@ -197,3 +197,74 @@ def test_a_checkpoint_written_by_llm_compressor_runs_on_the_fused_kernels():
     assert float(cos.min()) > 0.999, float(cos.min())
     rows = {r["path"]: r for r in report.to_json()["w8a8"]["linears"]}
     assert rows["model.language_model.layers.0.mlp.down_proj"]["handed_over"] >= 1  # fed by the fused MLP
+
+
+# ---- msModelSlim W8A8_DYNAMIC (vllm-ascend --quantization ascend) -----------------------------------------
+@pytest.fixture(scope="module")
+def msmodelslim(tmp_path_factory):
+    model, processor, family = models.load(None, "bfloat16")
+    patch_model(model, backend="cpu", quant="w8a8")
+    out = tmp_path_factory.mktemp("ms") / "tiny_w8a8"
+    export.save(model, out, processor, "msmodelslim")
+    return model, processor, family, _logits(model, _inputs(processor, family)), out
+
+
+def test_the_msmodelslim_export_has_the_layout_vllm_ascend_reads(msmodelslim):
+    """msModelSlim's save/ascendv1.py layout: quant_model_weights.safetensors + quant_model_description.json naming
+    every tensor's type; per W8A8_DYNAMIC linear weight int8, weight_scale and weight_offset fp32 [out, 1] (offset
+    zero: symmetric), its bias fp32 FLOAT; the JSON's global keys; config.json without quantization_config;
+    tensor names as transformers names Qwen2.5-VL's modules."""
+    model, _, _, _, out = msmodelslim
+    tensors = load_file(str(out / "quant_model_weights.safetensors"))
+    desc = json.loads((out / "quant_model_description.json").read_text())
+    assert {k: desc[k] for k in ("version", "model_quant_type", "metadata", "group_size")} == \
+        {"version": "1.0.0", "model_quant_type": "W8A8_DYNAMIC", "metadata": {}, "group_size": 0}
+    named = {k: v for k, v in desc.items() if k not in ("version", "model_quant_type", "metadata", "group_size")}
+    assert set(named) == set(tensors)
+    q_proj = "model.language_model.layers.0.self_attn.q_proj"
+    assert named[f"{q_proj}.weight"] == named[f"{q_proj}.weight_scale"] == named[f"{q_proj}.weight_offset"] \
+        == "W8A8_DYNAMIC" and named[f"{q_proj}.bias"] == "FLOAT"
+    assert tensors[f"{q_proj}.weight"].dtype == torch.int8 and tensors[f"{q_proj}.bias"].dtype == torch.float32
+    for scale in ("weight_scale", "weight_offset"):
+        assert tensors[f"{q_proj}.{scale}"].dtype == torch.float32 and tensors[f"{q_proj}.{scale}"].shape == (128, 1)
+    assert not tensors[f"{q_proj}.weight_offset"].any()
+    assert named["model.language_model.embed_tokens.weight"] == "FLOAT"
+    assert sum(v == "W8A8_DYNAMIC" for v in named.values()) == 3 * 50
+    assert set(tensors) - {k for k in tensors if k.endswith(("weight_scale", "weight_offset"))} <= \
+        set(model.state_dict())  # transformers' own names
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+
+def test_the_msmodelslim_export_loads_back_with_equal_logits(msmodelslim):
+    model, processor, family, ours, out = msmodelslim
+    loaded, loaded_processor, _, report = export.load(out, backend="cpu")
+    assert torch.equal(_logits(loaded, _inputs(loaded_processor, family)), ours)
+    assert report.to_json()["w8a8"]["summary"]["int8"] == 51
+
+
+def _damaged_ms(src, tmp_path, edit):
+    dst = tmp_path / "bad_ms"
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(dst / "quant_model_weights.safetensors"))
+    desc = json.loads((dst / "quant_model_description.json").read_text())
+    edit(tensors, desc)
+    save_file(tensors, str(dst / "quant_model_weights.safetensors"), metadata={"format": "pt"})
+    (dst / "quant_model_description.json").write_text(json.dumps(desc))
+    return dst
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda t, d: d.__setitem__("model.ghost.weight", "FLOAT"),
+     "quant_model_description.json names tensor 'model.ghost.weight', which the weights do not hold"),
+    (lambda t, d: d.pop(f"{O_PROJ}.weight_scale"), f"tensor '{O_PROJ}.weight_scale' is not named"),
+    (lambda t, d: t[f"{O_PROJ}.weight_offset"].add_(1), f"tensor '{O_PROJ}.weight_offset' is not zero"),
+    (lambda t, d: d.__setitem__(f"{O_PROJ}.weight", "FLOAT"), f"tensor '{O_PROJ}.weight' is int8 but"),
+    (lambda t, d: d.__setitem__("model_quant_type", "W8A8"), "model_quant_type 'W8A8'; expected 'W8A8_DYNAMIC'"),
+    (lambda t, d: (t.pop(f"{O_PROJ}.weight_scale"), d.pop(f"{O_PROJ}.weight_scale")),
+     f"tensor '{O_PROJ}.weight' is int8 but has no '{O_PROJ}.weight_scale'"),
+])
+def test_a_malformed_msmodelslim_export_is_refused_naming_the_tensor(msmodelslim, tmp_path, edit, match):
+    with pytest.raises(ValueError, match=match):
+        export.load(_damaged_ms(msmodelslim[4], tmp_path, edit), backend="cpu")

@@ -223,6 +223,7 @@ def run_accuracy(quick: bool, json_path, png_path, recipe=None, sensitivity: boo
                     print(f"{model_name:<46} {variant:<9} {label:<28} {row['int8_linears']:>5} int8  "
                           f"cosine mean {row['cosine_mean']:.5f} min {row['cosine_min']:.5f} "
                           f"top-1 {row['top1_agreement'] * 100:5.1f}% ({row['positions']} positions)", flush=True)
+    rows += _llm_compressor_rows(processor, eval_inputs, dtype)
     goals = []
     for model_name in builders:
         pick = {(r["variant"], r["smoothing"]): r for r in rows if r["model"] == model_name}
@@ -242,6 +243,28 @@ def run_accuracy(quick: bool, json_path, png_path, recipe=None, sensitivity: boo
 
 
 RECIPE = "alpha 0.5 + float_linears"
+LLMC_FIXTURE = Path(__file__).resolve().parent.parent.parent / "tests" / "fixtures" / "llmcompressor_w8a8"
+
+
+def _llm_compressor_rows(processor, eval_inputs, dtype) -> list:
+    """The embedded checkpoint as llm-compressor quantised it (its SmoothQuant + W8A8 recipe; the decoder int8,
+    the vision tower and lm_head float: tests/fixtures/llmcompressor_w8a8), run by pypto-gym from its stored
+    int8 weights, against the float model; absent in an install without the tests folder."""
+    from ..models.qwen2_5_vl import TINY_DIR, load
+    from ..quant import export
+
+    if not (LLMC_FIXTURE / "config.json").is_file():
+        return []
+    ref = _eval_logits(load(TINY_DIR, dtype)[0], processor, eval_inputs)
+    model, _, _, report = export.load(LLMC_FIXTURE, backend="cpu", dtype=dtype)
+    s = report.to_json()["w8a8"]["summary"]
+    row = {"model": "embedded checkpoint", "variant": "plain", "smoothing": "llm-compressor (SmoothQuant 0.5)",
+           "dtype": dtype, "float_linears": None, "int8_linears": f"{s['int8']}/{s['linears']}",
+           **compare(ref, _eval_logits(model, processor, eval_inputs))}
+    print(f"{row['model']:<46} {row['variant']:<9} {row['smoothing']:<28} {row['int8_linears']:>5} int8  "
+          f"cosine mean {row['cosine_mean']:.5f} min {row['cosine_min']:.5f} "
+          f"top-1 {row['top1_agreement'] * 100:5.1f}% ({row['positions']} positions)", flush=True)
+    return [row]
 
 
 def _label(alpha) -> str:
@@ -281,6 +304,7 @@ def _plot_accuracy(plt, rows):
     labels = [f"{r['model'].split(' (')[0]}\n{r['variant']}, {r['smoothing']}" for r in rows]
     palette = {_label(a): c for a, c in zip(SMOOTHING, ("tab:red", "tab:green", "tab:olive"))}
     palette[RECIPE] = "tab:blue"
+    palette["llm-compressor (SmoothQuant 0.5)"] = "tab:purple"
     colors = [palette[r["smoothing"]] for r in rows]
     axes[0].bar(range(len(rows)), [1 - r["cosine_mean"] for r in rows], color=colors)
     axes[0].set_yscale("log")

@@ -1,14 +1,14 @@
-"""`pypto-gym export`: the model patched in W8A8 mode, written as a compressed-tensors checkpoint (int8
-weights + per-channel scales, config with quantization_config, tokenizer/processor, generation config)."""
+"""`pypto-gym export`: the model patched in W8A8 mode, written as a compressed-tensors or an msModelSlim
+checkpoint (int8 weights + per-channel scales, config, tokenizer/processor, generation config)."""
 from __future__ import annotations
 
 from . import common
 
 
 def add_parser(sub):
-    p = sub.add_parser("export", help="write the W8A8 model as a compressed-tensors checkpoint")
+    p = sub.add_parser("export", help="write the W8A8 model as a compressed-tensors or msModelSlim checkpoint")
     common.add_model_args(p, random_weights=True)
-    p.add_argument("--format", choices=["compressed-tensors"], default="compressed-tensors")
+    p.add_argument("--format", choices=["compressed-tensors", "msmodelslim"], default="compressed-tensors")
     p.add_argument("--float-linears", default=None,
                    help="globs over linear kinds or paths kept in the model dtype (e.g. 'text.q_proj')")
     p.add_argument("out", help="a new or empty directory")
@@ -29,7 +29,7 @@ def run(args) -> int:
     device = resolve_device(getattr(args, "device", None) or "cpu")
     model, processor, _ = common.load_model(args, family, device)
     report = patch_model(model, backend="cpu", quant="w8a8", float_linears=args.float_linears)
-    wrote = export.save(model, out, processor)
+    wrote = export.save(model, out, processor, args.format)
     s = report.to_json()["w8a8"]["summary"]
     print(f"{args.format} checkpoint written to {out}: {len(wrote['int8'])} int8 linears (weight int8 + weight_scale "
           f"fp32 per output channel), {len(wrote['ignore'])} float ({', '.join(wrote['ignore'][:3])}"

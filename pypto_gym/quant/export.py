@@ -1,4 +1,4 @@
-"""Save a W8A8-patched model as a compressed-tensors checkpoint (`format: int-quantized`).
+"""Save a W8A8-patched model as a compressed-tensors (`format: int-quantized`) or msModelSlim checkpoint.
 
 What llm-compressor writes for W8A8 with per-channel symmetric int8 weights and per-token dynamic
 int8 activations, and what transformers (through compressed-tensors), vLLM and vllm-ascend load:
@@ -38,19 +38,33 @@ def quantization_config(ignore: list[str]) -> dict:
     }
 
 
-def save(model, out_dir, processor=None) -> dict:
-    """Write the W8A8-patched `model` (and its processor/tokenizer) to `out_dir` as a compressed-tensors
-    checkpoint; returns {"int8": [paths], "ignore": [paths]}. Refused, before anything is written, for a
-    model that is not patched in W8A8 mode or is smoothed."""
+FORMATS = ("compressed-tensors", "msmodelslim")
+MSMODELSLIM_JSON = "quant_model_description.json"  # msModelSlim's names (its save/ascendv1.py), as vllm-ascend reads
+MSMODELSLIM_WEIGHTS = "quant_model_weights.safetensors"
+W8A8_DYNAMIC = "W8A8_DYNAMIC"
+MSMODELSLIM_GLOBALS = {"version": "1.0.0", "model_quant_type": W8A8_DYNAMIC, "metadata": {}, "group_size": 0}
+
+
+def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> dict:
+    """Write the W8A8-patched `model` (and its processor/tokenizer) to `out_dir` as a compressed-tensors or an
+    msModelSlim W8A8_DYNAMIC checkpoint; returns {"int8": [paths], "ignore": [paths]}. Refused, before anything
+    is written, for a model that is not patched in W8A8 mode or is smoothed.
+
+    msModelSlim: every tensor in `quant_model_weights.safetensors`; per int8 linear `weight` int8,
+    `weight_scale` fp32 [out, 1], `weight_offset` zeros fp32 [out, 1] (symmetric) and its bias fp32;
+    `quant_model_description.json` naming each tensor's type (`W8A8_DYNAMIC`, `FLOAT` for the rest) with
+    the global keys version, model_quant_type, metadata, group_size; config.json without quantization_config."""
     from ..patching.api import _STATE_ATTR
 
+    if format not in FORMATS:
+        raise ValueError(f"format: got {format!r}; expected one of {', '.join(map(repr, FORMATS))}")
     state = model.__dict__.get(_STATE_ATTR)
     plan = None if state is None else state.quant
     if plan is None:
         raise ValueError("export: the model is not patched with quant='w8a8'; patch it first (its int8 weights "
                          "are what is written)")
     if plan.calibration is not None or any(ql.inv_smooth is not None for ql in plan.linears):
-        raise ValueError(f"export: the model is smoothed (calibration {plan.calibration}); compressed-tensors stores no "
+        raise ValueError(f"export: the model is smoothed (calibration {plan.calibration}); {format} stores no "
                          f"activation smooth scale and folding it into the weights is not built yet: export a model "
                          f"patched without calibration")
     out = Path(out_dir)
@@ -63,22 +77,37 @@ def save(model, out_dir, processor=None) -> dict:
             ignore.append(ql.path)
             continue
         int8.append(ql.path)
+        scale = ql.w_scale.reshape(-1, 1).to(torch.float32).contiguous()
         tensors[f"{ql.path}.weight"] = ql.w_q.contiguous()
-        tensors[f"{ql.path}.weight_scale"] = ql.w_scale.reshape(-1, 1).to(torch.float32).contiguous()
+        tensors[f"{ql.path}.weight_scale"] = scale
+        if format == "msmodelslim":
+            tensors[f"{ql.path}.weight_offset"] = torch.zeros_like(scale)
+            if ql.module.bias is not None:
+                tensors[f"{ql.path}.bias"] = ql.module.bias.detach().to(torch.float32)
     ignore += [r["path"] for r in plan.float_linears]
     state_dict = {k: v for k, v in model.state_dict().items() if not v.is_meta}
     state_dict.update(tensors)
     missing = [k for k, v in model.state_dict().items() if v.is_meta and k not in state_dict]
     if missing:
         raise ValueError(f"export: {missing[0]} has no data (released and not an int8 weight)")
-    model.save_pretrained(out, state_dict=state_dict)
-    config_path = out / "config.json"
-    config = json.loads(config_path.read_text())
-    config["quantization_config"] = quantization_config(ignore)
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    model.save_pretrained(out, state_dict=state_dict, max_shard_size="1000GB")  # one weights file
     tied = [ql.path for ql in plan.linears if ql.float_weight_shared]  # int8 in memory, float on disk
     (out / SIDECAR).write_text(json.dumps({"format": "pypto_gym-export-1", "quantised_from_float": tied},
                                           indent=2) + "\n")
+    if format == "compressed-tensors":
+        config_path = out / "config.json"
+        config = json.loads(config_path.read_text())
+        config["quantization_config"] = quantization_config(ignore)
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    else:
+        from safetensors import safe_open
+
+        (out / "model.safetensors").rename(out / MSMODELSLIM_WEIGHTS)
+        with safe_open(str(out / MSMODELSLIM_WEIGHTS), framework="pt") as f:
+            names = list(f.keys())
+        int8_keys = {f"{p}.{n}" for p in int8 for n in ("weight", "weight_scale", "weight_offset")}
+        description = {k: W8A8_DYNAMIC if k in int8_keys else "FLOAT" for k in sorted(names)}
+        (out / MSMODELSLIM_JSON).write_text(json.dumps({**description, **MSMODELSLIM_GLOBALS}, indent=2) + "\n")
     if processor is not None:
         processor.save_pretrained(out)
     return {"int8": int8, "ignore": sorted(ignore)}
@@ -111,6 +140,32 @@ def _check_scheme(where: str, qc) -> None:
                                  f"(W8A8: int8 per-channel weights, int8 dynamic per-token activations)")
 
 
+def _check_description(where: str, description: dict, tensors: dict) -> None:
+    """msModelSlim's quant_model_description.json against its weights: W8A8_DYNAMIC, every tensor named and every
+    name a tensor, symmetric (zero) weight offsets; the offsets are then dropped (the kernels are symmetric)."""
+    got = description.get("model_quant_type")
+    if got != W8A8_DYNAMIC:
+        raise ValueError(f"{where}: {MSMODELSLIM_JSON} model_quant_type {got!r}; expected {W8A8_DYNAMIC!r}")
+    named = {k: v for k, v in description.items() if k not in MSMODELSLIM_GLOBALS}
+    for name, kind in sorted(named.items()):
+        if name not in tensors:
+            raise ValueError(f"{where}: {MSMODELSLIM_JSON} names tensor {name!r}, which the weights do not hold")
+        if kind not in (W8A8_DYNAMIC, "FLOAT"):
+            raise ValueError(f"{where}: {MSMODELSLIM_JSON} gives {name!r} type {kind!r}; expected "
+                             f"{W8A8_DYNAMIC!r} or 'FLOAT'")
+    unnamed = sorted(set(tensors) - set(named))
+    if unnamed:
+        raise ValueError(f"{where}: tensor {unnamed[0]!r} is not named in {MSMODELSLIM_JSON}")
+    for name in sorted(k for k in tensors if k.endswith(".weight_offset")):
+        if named[name] != W8A8_DYNAMIC or tensors[name].any():
+            raise ValueError(f"{where}: tensor {name!r} is not zero: an asymmetric weight, which the int8 kernels "
+                             f"(symmetric) do not run")
+        del tensors[name]
+    for name, t in tensors.items():
+        if t.dtype == torch.int8 and named[name] != W8A8_DYNAMIC:
+            raise ValueError(f"{where}: tensor {name!r} is int8 but {MSMODELSLIM_JSON} types it {named[name]!r}")
+
+
 def _read_tensors(path: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -125,7 +180,7 @@ def _read_tensors(path: Path) -> dict:
 
 def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu"):
     """(model, processor, family, report): a compressed-tensors W8A8 checkpoint (written by `save` or by
-    llm-compressor) as a model patched in W8A8 mode whose int8 linears run the stored int8 weights and scales
+    llm-compressor) or an msModelSlim W8A8_DYNAMIC one (quant_model_description.json) as a model patched in W8A8 mode whose int8 linears run the stored int8 weights and scales
     as they are (no re-quantisation) on the fused kernels. Every int8 linear's tensors are checked (dtype,
     shape, a scale per output channel) and a problem is refused naming the tensor, before the model is built."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
@@ -138,10 +193,11 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu"):
     where = f"checkpoint {path}"
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{where}: no config.json")
-    raw = json.loads((path / "config.json").read_text())
-    qc = raw.get("quantization_config")
-    _check_scheme(where, qc)
     tensors = _read_tensors(path)
+    if (path / MSMODELSLIM_JSON).is_file():
+        _check_description(where, json.loads((path / MSMODELSLIM_JSON).read_text()), tensors)
+    else:
+        _check_scheme(where, json.loads((path / "config.json").read_text()).get("quantization_config"))
     sidecar = json.loads((path / SIDECAR).read_text()) if (path / SIDECAR).is_file() else {}
     scales = {k[:-len(".weight_scale")] for k in tensors if k.endswith(".weight_scale")}
     stored = {}
@@ -184,6 +240,9 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu"):
     extra = sorted(set(tensors) - set(expected))
     if extra:
         raise ValueError(f"{where}: tensor {extra[0]!r} names nothing in this {config.model_type} model")
+    for name, t in tensors.items():  # msModelSlim writes biases in fp32: the model's own dtype, as before export
+        if name in expected and t.is_floating_point() and t.dtype != expected[name].dtype:
+            tensors[name] = t.to(expected[name].dtype)
     for lin in stored:  # placeholders of the model's dtype, so the state dict loads; replaced below
         tensors[f"{lin}.weight"] = torch.zeros(tensors[f"{lin}.weight"].shape, dtype=torch_dtype)
     model.load_state_dict(tensors, strict=False, assign=True)
