@@ -102,16 +102,18 @@ def test_a_text_family_round_trips(tmp_path):
     assert torch.equal(_logits(loaded, _inputs(loaded_processor, family)), ours)
 
 
-def _damaged(src, tmp_path, edit):
+def _damaged(src, tmp_path, edit, weights="model.safetensors", description="config.json"):
+    """A copy of the export `src` with its weights file and its JSON (config.json, or msModelSlim's
+    description) passed through `edit(tensors, json)`."""
     dst = tmp_path / "bad"
     dst.mkdir()
     for f in src.iterdir():
         (dst / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(str(dst / "model.safetensors"))
-    config = json.loads((dst / "config.json").read_text())
-    edit(tensors, config)
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(dst / weights))
+    data = json.loads((dst / description).read_text())
+    edit(tensors, data)
+    save_file(tensors, str(dst / weights), metadata={"format": "pt"})
+    (dst / description).write_text(json.dumps(data))
     return dst
 
 
@@ -242,19 +244,6 @@ def test_the_msmodelslim_export_loads_back_with_equal_logits(msmodelslim):
     assert report.to_json()["w8a8"]["summary"]["int8"] == 51
 
 
-def _damaged_ms(src, tmp_path, edit):
-    dst = tmp_path / "bad_ms"
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(str(dst / "quant_model_weights.safetensors"))
-    desc = json.loads((dst / "quant_model_description.json").read_text())
-    edit(tensors, desc)
-    save_file(tensors, str(dst / "quant_model_weights.safetensors"), metadata={"format": "pt"})
-    (dst / "quant_model_description.json").write_text(json.dumps(desc))
-    return dst
-
-
 @pytest.mark.parametrize("edit,match", [
     (lambda t, d: d.__setitem__("model.ghost.weight", "FLOAT"),
      "quant_model_description.json names tensor 'model.ghost.weight', which the weights do not hold"),
@@ -267,4 +256,5 @@ def _damaged_ms(src, tmp_path, edit):
 ])
 def test_a_malformed_msmodelslim_export_is_refused_naming_the_tensor(msmodelslim, tmp_path, edit, match):
     with pytest.raises(ValueError, match=match):
-        export.load(_damaged_ms(msmodelslim[4], tmp_path, edit), backend="cpu")
+        export.load(_damaged(msmodelslim[4], tmp_path, edit, "quant_model_weights.safetensors",
+                             "quant_model_description.json"), backend="cpu")

@@ -200,6 +200,11 @@ class PyptoBackend(Backend):
                 shutil.rmtree(child, ignore_errors=True)
 
 
+def first_runs_here(backend, x, *rest) -> str | None:
+    """The `supports` of an op whose PyPTO kernel takes any call its first tensor's device can run."""
+    return backend.runs_on(x)
+
+
 def rows(t: torch.Tensor) -> torch.Tensor:
     """A tensor as the 2-D contiguous rows [R, D] every kernel sees."""
     return t.reshape(-1, t.shape[-1]).contiguous()

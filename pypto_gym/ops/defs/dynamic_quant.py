@@ -10,7 +10,7 @@ import torch
 
 from ..args import Choice, Output, Tensor, dtype_name
 from ..backends.npu import HALF, as_rows
-from ..backends.pypto_backend import rows, vector
+from ..backends.pypto_backend import first_runs_here, rows, vector
 from ..op import Op
 from ..quantize import DST_TYPES, QUANT_RANGES, quantize_rows, unpack_int4_from_int32
 
@@ -81,11 +81,7 @@ def dynamic_quant_kernel(pypto):
     return dynamic_quant
 
 
-def _pypto_supports(backend, x, *rest):
-    return backend.runs_on(x)
-
-
-@DYNAMIC_QUANT.impl("pypto", supports=_pypto_supports)
+@DYNAMIC_QUANT.impl("pypto", supports=first_runs_here)
 def _(backend, x, smooth_scales, dst_type):
     y, scale = DYNAMIC_QUANT.empty_outputs(x, smooth_scales, dst_type)
     if x.numel():

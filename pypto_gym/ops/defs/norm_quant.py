@@ -11,7 +11,7 @@ import torch
 
 from ..args import ArgValueError, Choice, Float, Output, Tensor, dtype_name
 from ..backends.npu import HALF, as_rows
-from ..backends.pypto_backend import rows, vector
+from ..backends.pypto_backend import first_runs_here, rows, vector
 from ..op import Op
 from ..quantize import DST_TYPES, QUANT_RANGES, quantize_rows, unpack_int4_from_int32
 
@@ -196,11 +196,7 @@ def add_quant2_kernel(pypto):
     return add_rms_norm_dynamic_quant2
 
 
-def _pypto_supports(backend, x, *rest):
-    return backend.runs_on(x)
-
-
-@RMS_NORM_DYNAMIC_QUANT.impl("pypto", supports=_pypto_supports)
+@RMS_NORM_DYNAMIC_QUANT.impl("pypto", supports=first_runs_here)
 def _(backend, x, gamma, smooth_scales, beta, eps, dst_type):
     y, scale = RMS_NORM_DYNAMIC_QUANT.empty_outputs(x, gamma, smooth_scales, beta, eps, dst_type)
     if x.numel():
@@ -211,7 +207,7 @@ def _(backend, x, gamma, smooth_scales, beta, eps, dst_type):
     return y, scale
 
 
-@ADD_RMS_NORM_DYNAMIC_QUANT.impl("pypto", supports=_pypto_supports)
+@ADD_RMS_NORM_DYNAMIC_QUANT.impl("pypto", supports=first_runs_here)
 def _(backend, x1, x2, gamma, smooth_scale1, smooth_scale2, beta, eps, dst_type):
     y1, y2, x_out, s1, s2 = ADD_RMS_NORM_DYNAMIC_QUANT.empty_outputs(x1, x2, gamma, smooth_scale1, smooth_scale2, beta,
                                                                      eps, dst_type)
