@@ -258,3 +258,19 @@ def test_a_malformed_msmodelslim_export_is_refused_naming_the_tensor(msmodelslim
     with pytest.raises(ValueError, match=match):
         export.load(_damaged(msmodelslim[4], tmp_path, edit, "quant_model_weights.safetensors",
                              "quant_model_description.json"), backend="cpu")
+
+
+def test_infer_runs_an_export_and_other_commands_refuse_one(tmp_path, capsys):
+    out = tmp_path / "ms"
+    assert cli_main(["export", str(out), "--format", "msmodelslim"]) == 0
+    assert cli_main(["infer", "--model", str(out), "--use_pto", "--quant", "w8a8", "--max-new-tokens", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "W8A8: 51/51 linears int8" in printed and "loaded from an int8 checkpoint as stored" in printed
+    assert "fallbacks=0" in printed
+    for argv, message in [(["infer", "--model", str(out)], "is a msmodelslim W8A8 checkpoint (int8 weights, no float "
+                                                            "ones); run it with --use_pto --quant w8a8"),
+                          (["calibrate", "--model", str(out), "--out", str(tmp_path / "c.safetensors")],
+                           "is an int8 checkpoint; only `infer --use_pto --quant w8a8` runs one")]:
+        assert cli_main(argv) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "Loading weights" not in line]
+        assert len(err) == 1 and message in err[0], err

@@ -97,8 +97,35 @@ def model_dtype(args, device: str) -> str:
     return args.dtype or default_dtype(device)
 
 
+def load_int8_checkpoint(args, options, device):
+    """(model, processor, seconds, report) for `infer --model DIR` where DIR holds int8 weights (an export or
+    llm-compressor's): loaded onto the fused kernels as stored, which needs --use_pto --quant w8a8."""
+    from ..quant import export
+
+    fmt = export.int8_format(args.model)
+    if options is None or options["quant"] != "w8a8":
+        raise UserError(f"--model: {args.model} is a {fmt} W8A8 checkpoint (int8 weights, no float ones); run it with "
+                        f"--use_pto --quant w8a8")
+    for flag, key in (("--calibration", "calibration"), ("--float-linears", "float_linears")):
+        if options[key] is not None:
+            raise UserError(f"{flag}: not with an int8 checkpoint ({args.model}): its smoothing and its float "
+                            f"linears are in the checkpoint")
+    t0 = time.perf_counter()
+    try:
+        model, processor, _, report = export.load(args.model, options["backend"], model_dtype(args, device), device,
+                                                  sites=options["sites"], fuse_residual=options["fuse_residual"])
+    except (ValueError, FileNotFoundError) as e:
+        raise UserError(f"--model: {e}") from None
+    return model, processor, time.perf_counter() - t0, report
+
+
 def load_model(args, family, device):
     """(model, processor, seconds): --config's random weights, --model's checkpoint, or the embedded one."""
+    from ..quant import export
+
+    if getattr(args, "model", None) and export.int8_format(args.model):
+        raise UserError(f"--model: {args.model} is an int8 checkpoint; only `infer --use_pto --quant w8a8` runs one "
+                        f"(its float weights are not there to calibrate, capture or export from)")
     t0 = time.perf_counter()
     dtype = model_dtype(args, device)
     if getattr(args, "config", None):

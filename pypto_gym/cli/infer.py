@@ -26,8 +26,13 @@ def run(args) -> int:
     if args.report_file:
         files.check_writable(args.report_file, "--report-file")
     image = open_image(args.image or family.IMAGES[0]) if family.MULTIMODAL else None
-    model, processor, load_s = common.load_model(args, family, device)
-    report = common.patch(model, options) if options is not None else None
+    from ..quant import export
+
+    if args.model and export.int8_format(args.model):
+        model, processor, load_s, report = common.load_int8_checkpoint(args, options, device)
+    else:
+        model, processor, load_s = common.load_model(args, family, device)
+        report = common.patch(model, options) if options is not None else None
     prompt = args.prompt or common.default_prompt(family)
     texts, n_new, prefill_s, tps = generate(model, processor, [prompt], [image], args.max_new_tokens)
     result = InferenceResult(text=texts, new_tokens=n_new, load_s=load_s, prefill_s=prefill_s,

@@ -90,6 +90,8 @@ class PatchReport:
 
 
 def _float_copies(s: dict) -> str:
+    if s.get("loaded_int8"):
+        return f"({s['loaded_int8']} loaded from an int8 checkpoint as stored: no float weights, no unpatch_model)"
     shared = (s["float_weight_bytes"] - s["releasable_float_bytes"]) / 2 ** 20
     if s["released_float_bytes"]:
         return (f"(float weights released: {s['released_float_bytes'] / 2 ** 20:.1f} MB returned, unpatch_model "

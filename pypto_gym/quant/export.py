@@ -178,11 +178,26 @@ def _read_tensors(path: Path) -> dict:
     return out
 
 
-def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu"):
+def int8_format(path) -> str | None:
+    """'msmodelslim' or 'compressed-tensors' when `path` is a W8A8 checkpoint directory of that format, else None."""
+    path = Path(path)
+    if (path / MSMODELSLIM_JSON).is_file():
+        return "msmodelslim"
+    config = path / "config.json"
+    if config.is_file():
+        qc = json.loads(config.read_text()).get("quantization_config")
+        if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
+            return "compressed-tensors"
+    return None
+
+
+def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", **patch_options):
     """(model, processor, family, report): a compressed-tensors W8A8 checkpoint (written by `save` or by
     llm-compressor) or an msModelSlim W8A8_DYNAMIC one (quant_model_description.json) as a model patched in W8A8 mode whose int8 linears run the stored int8 weights and scales
     as they are (no re-quantisation) on the fused kernels. Every int8 linear's tensors are checked (dtype,
-    shape, a scale per output channel) and a problem is refused naming the tensor, before the model is built."""
+    shape, a scale per output channel) and a problem is refused naming the tensor, before the model is built.
+    `patch_options` (sites, fuse_residual, cast_mode, strict) go to patch_model; which linears are int8 is the
+    checkpoint's."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.initialization import no_init_weights
 
@@ -261,7 +276,7 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu"):
                              f"model has {'its int8 weight' if p in stored else 'no such linear'}")
     float_paths = [p for p, m in model.named_modules() if isinstance(m, torch.nn.Linear) and p not in stored
                    and p not in tied]
-    report = patch_model(model, backend=backend, quant="w8a8", float_linears=float_paths or None)
+    report = patch_model(model, backend=backend, quant="w8a8", float_linears=float_paths or None, **patch_options)
     from .linear import quant_linear_of
 
     lost = [lin for lin in stored if quant_linear_of(model.get_submodule(lin)) is None]

@@ -117,6 +117,7 @@ class QuantPlan:
                             "releasable_float_bytes": sum(r["float_weight_bytes"] for r in q
                                                           if not r["float_weight_shared"]),
                             "released_float_bytes": sum(ql.released_bytes for ql in self.linears),
+                            "loaded_int8": sum(ql.stored for ql in self.linears),
                             "int8_weight_bytes": sum(r["int8_weight_bytes"] for r in q)},
                 "speed_note": self.speed_note, "skipped_producers": [dict(r) for r in self.skipped_producers],
                 "calibration_ignored": list(self.calibration_ignored), "linears": rows}
