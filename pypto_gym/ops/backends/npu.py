@@ -27,6 +27,20 @@ def chip_series(device_name: str) -> str:
     return "training" if name.startswith("Ascend910") else "a2_a3"
 
 
+def quant_limits(name: str, x: torch.Tensor, dst_type: str, backend) -> str | None:
+    """The limits torch_npu's per-token quant ops share (npu_dynamic_quant, npu_add_rms_norm_dynamic_quant): not
+    empty, Atlas A2/A3, fp16/bf16 input, int4 output only with D % 8 == 0; the reason a call is declined, or None."""
+    if not x.numel():
+        return f"{name}: empty tensors are not supported"
+    if backend.series_of(x) != "a2_a3":
+        return f"{name}: supported on Atlas A2/A3 chips only"
+    if x.dtype not in HALF:
+        return f"dtype {str(x.dtype).replace('torch.', '')} not supported by {name}"
+    if dst_type == "int4" and x.shape[-1] % 8:
+        return f"{name}: int4 needs D divisible by 8, got D={x.shape[-1]}"
+    return None
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """torch_npu's norm ops want 2-8 dims: a 1-D input is one row."""
     return x.reshape(1, -1) if x.dim() == 1 else x

@@ -9,7 +9,7 @@ vision attn.proj and the merger's linears run on their float input; no gradient.
 import torch
 
 from ..args import Choice, Output, Tensor, dtype_name
-from ..backends.npu import HALF, as_rows
+from ..backends.npu import as_rows, quant_limits
 from ..backends.pypto_backend import first_runs_here, rows, vector
 from ..op import Op
 from ..quantize import DST_TYPES, QUANT_RANGES, quantize_rows, unpack_int4_from_int32
@@ -45,14 +45,9 @@ def _npu_supports(backend, x, smooth_scales, dst_type):
     name = "npu_dynamic_quant"
     if x.dim() < 2:
         return f"{name}: x must have more than one dim, got {x.dim()}"
-    if not x.numel():
-        return f"{name}: empty tensors are not supported"
-    if backend.series_of(x) != "a2_a3":
-        return f"{name}: supported on Atlas A2/A3 chips only"
-    if x.dtype not in HALF:
-        return f"{name}: dtype {dtype_name(x.dtype)} not supported (float16, bfloat16)"
-    if dst_type == "int4" and x.shape[-1] % 8:
-        return f"{name}: int4 needs D divisible by 8, got D={x.shape[-1]}"
+    reason = quant_limits(name, x, dst_type, backend)
+    if reason:
+        return reason
     if smooth_scales is not None and smooth_scales.dtype != x.dtype:
         return f"{name}: smooth_scales {dtype_name(smooth_scales.dtype)} with x {dtype_name(x.dtype)} (one dtype)"
     return None

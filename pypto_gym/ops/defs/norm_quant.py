@@ -9,8 +9,8 @@ branch's outputs are None. Quantised outputs have no gradient.
 """
 import torch
 
-from ..args import ArgValueError, Choice, Float, Output, Tensor, dtype_name
-from ..backends.npu import HALF, as_rows
+from ..args import ArgValueError, Choice, Float, Output, Tensor
+from ..backends.npu import as_rows, quant_limits
 from ..backends.pypto_backend import first_runs_here, rows, vector
 from ..op import Op
 from ..quantize import DST_TYPES, QUANT_RANGES, quantize_rows, unpack_int4_from_int32
@@ -111,15 +111,7 @@ def _npu_supports(backend, x, *rest):
     dst_type = rest[-1]
     if x.dim() > 8:
         return f"rank {x.dim()} > 8"
-    if not x.numel():
-        return f"{NAME}: empty tensors are not supported"
-    if backend.series_of(x) != "a2_a3":
-        return f"{NAME}: supported on Atlas A2/A3 chips only"
-    if x.dtype not in HALF:
-        return f"dtype {dtype_name(x.dtype)} not supported by {NAME}"
-    if dst_type == "int4" and x.shape[-1] % 8:
-        return f"{NAME}: int4 needs D divisible by 8, got D={x.shape[-1]}"
-    return None
+    return quant_limits(NAME, x, dst_type, backend)
 
 
 def _npu_add_quant(backend, x1, x2, gamma, smooth_scale1, smooth_scale2, beta, eps, dst_type):
