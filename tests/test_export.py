@@ -274,3 +274,15 @@ def test_infer_runs_an_export_and_other_commands_refuse_one(tmp_path, capsys):
         assert cli_main(argv) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if "Loading weights" not in line]
         assert len(err) == 1 and message in err[0], err
+
+
+def test_a_loaded_model_switched_off_says_its_float_weights_were_never_loaded(exported):
+    import pypto_gym
+
+    loaded, processor, family, _ = export.load(exported[4], backend="cpu")
+    pypto_gym.set_enabled(False)
+    try:
+        with pytest.raises(RuntimeError, match="float weight was never loaded \\(an int8 checkpoint\\)"):
+            _logits(loaded, _inputs(processor, family))
+    finally:
+        pypto_gym.set_enabled(True)

@@ -93,9 +93,11 @@ def quant_linear_forward(module, x):
     ql = module.__dict__[_SLOT]
     if not _STATE.enabled:
         if ql.released_bytes or ql.stored:
+            why = ("was never loaded (an int8 checkpoint)" if ql.stored
+                   else "was released (release_float_weights=True)")
             raise RuntimeError(f"{ql.path}: pypto-gym is switched off (USE_PTO_RMS_NORM=0 / set_enabled(False)) but "
-                               f"this int8 linear's float weight was released (release_float_weights=True): there "
-                               f"is no float path to run; switch it on, or load the model again for the float model")
+                               f"this int8 linear's float weight {why}: there is no float path to run; switch it "
+                               f"on, or load the float model")
         return ql.original(x)
     got = None
     if type(x) is activations.QuantRows:
