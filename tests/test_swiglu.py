@@ -158,3 +158,16 @@ def test_dequant_swiglu_quant_is_the_exact_gemm_then_fp32_swiglu_quant():
     exact = n.abs().amax(-1) / 127
     assert torch.allclose(scale.double(), exact, rtol=1e-5, atol=0)
     assert int((y.double() - torch.round(n / exact.unsqueeze(-1))).abs().max()) <= 1
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((torch.zeros(2, 7, dtype=torch.int32), torch.ones(7), torch.ones(2)), {},
+     "x: last dim 7 is odd; expected the two halves of a merged gate/up output"),
+    ((torch.zeros(2, 8, dtype=torch.int32), torch.ones(8), torch.ones(2), None, torch.ones(3)), {},
+     r"quant_scale: has 3 channels; expected 4 \(half of x's last dim\)"),
+    ((torch.zeros(2, 8, dtype=torch.int32), torch.ones(8), torch.ones(2)), {"activate_left": "yes"},
+     "activate_left: expected True or False, got str"),
+])
+def test_dequant_swiglu_quant_refuses_naming_the_argument(args, kwargs, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        ops.dequant_swiglu_quant(*args, **kwargs, backend="torch")
