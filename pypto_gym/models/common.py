@@ -17,7 +17,9 @@ TEXT_LINEARS_AFTER_NORM = {
     "text.post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
     "text.norm": ("<lm_head>",),
 }
-TEXT_OWN_INPUT = ("self_attn.o_proj",)  # W8A8: the decoder linear whose input no fused op produces
+# W8A8: the decoder linear whose input no fused op produces (it quantises it itself), and where its
+# SmoothQuant scale folds into a checkpoint (quant/fold.py): v_proj's output rows, per kv head.
+TEXT_OWN_INPUT = {"self_attn.o_proj": ("self_attn.v_proj", "kv_heads")}
 TEXT_PROMPTS = ["Write a sentence about tensors.", "What is an RMS norm?", "Count from one to ten.",
                 "Describe the weather in one line."]  # calibration prompts of the text-only families
 

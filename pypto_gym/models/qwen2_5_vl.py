@@ -34,9 +34,11 @@ W8A8_LINEARS = {
     "vision.norm2": ("mlp.gate_proj", "mlp.up_proj"),
 }
 # ...and, by path suffix, those whose input no fused op produces, which quantise it themselves
-# (dynamic_quant): o_proj and the vision attn.proj (after attention), the merger's mlp.0 (ln_q's rows
-# regrouped, 4 of 1280 as one of 5120) and mlp.2 (after its GELU).
-W8A8_OWN_INPUT = (*TEXT_OWN_INPUT, "attn.proj", "merger.mlp.0", "merger.mlp.2")
+# (dynamic_quant), each with where its smooth scale folds (quant/fold.py): o_proj and the vision
+# attn.proj (after attention: v_proj's rows, qkv's v third), the merger's mlp.0 (ln_q's rows regrouped,
+# 4 of 1280 as one of 5120: ln_q's weight) and mlp.2 (after its GELU: nowhere, so it is not smoothed).
+W8A8_OWN_INPUT = {**TEXT_OWN_INPUT, "attn.proj": ("attn.qkv", "v_third"), "merger.mlp.0": ("merger.ln_q", "tiled"),
+                  "merger.mlp.2": None}
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",

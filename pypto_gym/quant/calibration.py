@@ -8,7 +8,10 @@ them gets W * s, which leaves X @ W^T unchanged in exact arithmetic. One scale p
 each norm whose output feeds int8 linears (max|W_j| over all of them), each SwiGLU MLP, whose
 activation feeds its int8 down_proj (the widest outliers of a decoder: silu(gate) * up multiplies two
 large values), and each linear that quantises its own input (o_proj, the vision attn.proj, the
-merger's linears), whose dynamic_quant multiplies by 1/s as the fused ops do.
+merger's mlp.0), whose dynamic_quant multiplies by 1/s as the fused ops do. Every scale can be folded
+into a checkpoint (quant/fold.py): a linear's scale is shared by the input channels one channel of its
+source feeds (a kv head's channel for o_proj under GQA), and a linear with no source to fold into (the
+merger's mlp.2, after GELU) is not smoothed.
 
 A calibration file is safetensors: one fp32 tensor `<path>.smooth_scale` ([D] for a norm, [I] for an
 MLP, [in_features] for a linear) per source, and one metadata entry: a JSON string with the format,
@@ -24,7 +27,10 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "pypto_gym-smoothquant-2"  # 2: MLP activations and the linears' own inputs too (1 had norms only)
+FORMAT = "pypto_gym-smoothquant-3"  # 3: every scale foldable (2 smoothed o_proj per query head, 1 only norms)
+OLD_FORMATS = {"pypto_gym-smoothquant-1": "format 1 calibrated the norms only",
+               "pypto_gym-smoothquant-2": "format 2 gave scales a checkpoint cannot hold (o_proj per query head, "
+                                          "the merger's mlp.2)"}
 SUFFIX = ".smooth_scale"
 META_KEY = "pypto_gym"
 FLOOR = 1e-5  # a channel that never fired, or an all-zero weight column, gets s = 1 instead of 0 or inf
@@ -38,7 +44,7 @@ MAX_METADATA_BYTES = 64 * 1024  # the JSON entry: format, alpha, model type, inp
 class Calibrator:
     """`with Calibrator(model) as cal: generate(...)`: per-channel max |activation| of every producer of the
     float model (the rows its int8 linears will read), collected by forward hooks: a norm's output, an
-    MLP's down_proj input."""
+    MLP's down_proj input, the input of a linear that quantises its own (where its scale can fold)."""
 
     def __init__(self, model):
         self.model = model
@@ -48,7 +54,7 @@ class Calibrator:
     def __enter__(self):
         from ..patching.mlp import MLPS
         from ..patching.norm import NORMS
-        from .plan import own_input_linears
+        from .fold import folds
 
         for cand in NORMS.candidates(self.model, None):
             if not cand.reason:
@@ -58,8 +64,8 @@ class Calibrator:
             if not cand.reason:
                 self._handles.append(cand.module.down_proj.register_forward_pre_hook(
                     lambda m, args, path=cand.path: self._record(path, args[0])))
-        for path, linear in own_input_linears(self.model):
-            self._handles.append(linear.register_forward_pre_hook(
+        for path in folds(self.model):
+            self._handles.append(self.model.get_submodule(path).register_forward_pre_hook(
                 lambda m, args, path=path: self._record(path, args[0])))
         return self
 
@@ -74,20 +80,26 @@ class Calibrator:
         self.absmax[path] = m if path not in self.absmax else torch.maximum(self.absmax[path], m)
 
 
-def _smooth(absmax: torch.Tensor, weights, alpha: float) -> torch.Tensor:
-    """s = max|X_j|^alpha / max|W_j|^(1 - alpha), W_j over every consumer's column j; 1 where either is 0."""
+def _smooth(absmax: torch.Tensor, weights, alpha: float, fold=None) -> torch.Tensor:
+    """s = max|X_j|^alpha / max|W_j|^(1 - alpha), W_j over every consumer's column j; 1 where either is 0.
+    With a `fold` both maxima are taken over the channels one source channel feeds (fold.group_max)."""
+    from .fold import group_max
+
     a = absmax.to(torch.float32).cpu()
     w = torch.stack([w.detach().abs().amax(0).to(torch.float32).cpu() for w in weights]).amax(0)
+    if fold is not None:
+        a, w = group_max(a, fold), group_max(w, fold)
     s = a.clamp(min=FLOOR).pow(alpha) / w.clamp(min=FLOOR).pow(1.0 - alpha)
     return torch.where((a > 0) & (w > 0), s, torch.ones_like(s)).contiguous()
 
 
 def smooth_scales(model, absmax: dict, alpha: float) -> dict:
     """{path: s fp32} for every recorded norm that has consumer linears, every recorded MLP and every recorded
-    linear that quantises its own input."""
+    linear that quantises its own input and has a source to fold its scale into."""
     from ..patching.mlp import MLPS
     from ..patching.norm import NORMS
-    from .plan import linears_after, own_input_linears
+    from .fold import folds
+    from .plan import linears_after
 
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha: got {alpha}; expected a number in [0, 1]")
@@ -101,9 +113,9 @@ def smooth_scales(model, absmax: dict, alpha: float) -> dict:
     for cand in MLPS.candidates(model, None):
         if not cand.reason and cand.path in absmax:
             out[cand.path] = _smooth(absmax[cand.path], [cand.module.down_proj.weight], alpha)
-    for path, linear in own_input_linears(model):
+    for path, fold in folds(model).items():
         if path in absmax:
-            out[path] = _smooth(absmax[path], [linear.weight], alpha)
+            out[path] = _smooth(absmax[path], [model.get_submodule(path).weight], alpha, fold)
     return out
 
 
@@ -184,8 +196,7 @@ def _metadata(where: str, metadata: dict) -> dict:
         info = None
     fmt = info.get("format") if isinstance(info, dict) else None
     if fmt != FORMAT:
-        old = (" (format 1 calibrated the norms only: run scripts/calibrate.py again)" if fmt == FORMAT[:-1] + "1"
-               else "")
+        old = f" ({OLD_FORMATS[fmt]}: run scripts/calibrate.py again)" if fmt in OLD_FORMATS else ""
         raise ValueError(f"{where}: metadata format {fmt!r}; expected {FORMAT!r} (a file written by "
                          f"scripts/calibrate.py){old}")
     alpha = info.get("alpha")

@@ -5,8 +5,9 @@ W8A8_LINEARS), each name checked against the model (an nn.Linear whose in_featur
 a norm none of whose linears is found stays a float norm, with the reason in the report); and the
 patched SwiGLU MLPs, whose down_proj reads the fused swiglu + quant's rows. The linears whose input
 no fused op produces (o_proj, the vision attn.proj, the merger's linears: W8A8_OWN_INPUT) quantise
-it themselves with `dynamic_quant`, smoothed by their own calibrated scale, in the parts of the model
-(text, vision) that have producers. Every other linear stays in the model dtype and is listed with why.
+it themselves with `dynamic_quant`, smoothed by their own calibrated scale (where it can fold into a
+checkpoint: quant/fold.py), in the parts of the model (text, vision) that have producers. Every other
+linear stays in the model dtype and is listed with why.
 """
 from __future__ import annotations
 
@@ -194,12 +195,16 @@ def install(model, state) -> QuantPlan:
     known += [p for p, _ in every_own]
     smooth = {}
     if calibration_path is not None:
+        from .fold import folds
+
+        smoothed = folds(model)  # the others (the merger's mlp.2) are not smoothed: no source to fold into
+        own_smoothed = [(p, m) for p, m in own if p in smoothed]
         expected = {s.path: _producer_of(s, found)[0] for s, found in fed.items()}
-        expected.update({p: m.in_features for p, m in own})
+        expected.update({p: m.in_features for p, m in own_smoothed})
         smooth, plan.calibration_ignored = calibration.load(
             calibration_path, expected, getattr(getattr(model, "config", None), "model_type", None), set(known))
         checks = [(site.path, _producer_of(site, found)[1], found) for site, found in fed.items()]
-        checks += [(p, m.weight.dtype, [(p, m)]) for p, m in own]
+        checks += [(p, m.weight.dtype, [(p, m)]) for p, m in own_smoothed]
         for key, dtype, found in checks:
             where = f"calibration {calibration_path}: tensor '{key}{calibration.SUFFIX}'"
             calibration.check_reciprocal(where, smooth[key], dtype)
