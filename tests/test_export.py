@@ -12,6 +12,7 @@ from pypto_gym.cli import main as cli_main
 from pypto_gym.inference import open_image
 from pypto_gym.models.qwen2_5_vl import SAMPLE_IMAGE
 from pypto_gym.patching import PatchError
+from pypto_gym.patching.api import _STATE_ATTR
 from pypto_gym.quant import export
 from pypto_gym.quant.linear import quant_linear_of
 
@@ -161,20 +162,163 @@ def test_cli_export(tmp_path, capsys):
     assert cli_main(["export", str(tmp_path / "cli")]) == 0
     assert "compressed-tensors checkpoint written to" in capsys.readouterr().out
     assert (tmp_path / "cli" / "model.safetensors").is_file()
+    assert cli_main(["export", "--calibration", str(tmp_path / "none.safetensors"), str(tmp_path / "x")]) == 2
+    assert "--calibration: no file at" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
-def test_a_smoothed_model_is_refused(tmp_path):
+def test_cli_export_of_a_calibrated_model(tmp_path, capsys):
+    calib = tmp_path / "s.safetensors"
+    assert cli_main(["calibrate", "--max-new-tokens", "1", "--prompt", "Read the text.", "--out", str(calib)]) == 0
+    assert cli_main(["export", "--format", "msmodelslim", "--calibration", str(calib), str(tmp_path / "ms")]) == 0
+    said = capsys.readouterr().out.split("msmodelslim checkpoint written to")[1]
+    assert "51 int8 linears" in said and "smoothing folded into the weights, lm_head written untied" in said
+    assert json.loads((tmp_path / "ms" / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+@pytest.fixture(scope="module")
+def smoothed(tmp_path_factory):
+    """The embedded Qwen2.5-VL in fp32, calibrated (alpha 0.5) and W8A8 with every linear int8, its logits, and
+    its compressed-tensors export (smoothing folded)."""
     from pypto_gym.quant import calibration
 
     model, processor, family = models.load(None, "float32")
     with calibration.Calibrator(model) as cal:
         _logits(model, _inputs(processor, family))
-    calibration.save(tmp_path / "s.safetensors", calibration.smooth_scales(model, cal.absmax, 0.5), 0.5,
+    tmp = tmp_path_factory.mktemp("smooth")
+    calibration.save(tmp / "s.safetensors", calibration.smooth_scales(model, cal.absmax, 0.5), 0.5,
                      model.config.model_type, ["one input"])
+    float_state = {k: v.clone() for k, v in model.state_dict().items()}
+    patch_model(model, backend="cpu", quant="w8a8", calibration=tmp / "s.safetensors")
+    wrote = export.save(model, tmp / "out", processor)
+    return model, processor, family, _logits(model, _inputs(processor, family)), tmp / "out", wrote, float_state
+
+
+def test_a_smoothed_export_folds_every_smooth_scale_into_what_writes_its_rows(smoothed):
+    """Each 1/s lands where llm-compressor puts it: a norm's weight, up_proj's rows (an int8 one: its weight_scale),
+    v_proj's rows for o_proj (one scale per kv head's channel), qkv's v third for the vision attn.proj, ln_q's
+    weight for the merger's mlp.0; the int8 codes are the ones the model runs."""
+    model, _, _, _, out, wrote, float_state = smoothed
+    t = load_file(str(out / "model.safetensors"))
+    plan = model.__dict__[_STATE_ATTR].quant
+    layer = "model.language_model.layers.1"
+    norm = plan.norms[f"{layer}.input_layernorm"]
+    assert torch.equal(t[f"{layer}.input_layernorm.weight"], float_state[f"{layer}.input_layernorm.weight"] *
+                       norm.inv_smooth)
+    up = quant_linear_of(model.get_submodule(f"{layer}.mlp.up_proj"))
+    assert torch.equal(t[f"{layer}.mlp.up_proj.weight"], up.w_q)  # the codes: unchanged
+    assert torch.equal(t[f"{layer}.mlp.up_proj.weight_scale"].flatten(), up.w_scale * plan.mlps[f"{layer}.mlp"].inv_smooth)
+    o = quant_linear_of(model.get_submodule(f"{layer}.self_attn.o_proj"))
+    v = quant_linear_of(model.get_submodule(f"{layer}.self_attn.v_proj"))
+    d, groups = model.get_submodule(f"{layer}.self_attn").head_dim, 2  # tiny: 4 query heads, 2 kv heads
+    inv = o.inv_smooth.reshape(-1, groups, d)  # [kv head, its query heads, channel]
+    assert torch.equal(inv[:, 0], inv[:, 1])  # one scale per kv head's channel: it folds
+    assert torch.equal(t[f"{layer}.self_attn.v_proj.weight_scale"].flatten(), v.w_scale * inv[:, 0].flatten())
+    assert torch.equal(t[f"{layer}.self_attn.v_proj.bias"], float_state[f"{layer}.self_attn.v_proj.bias"] *
+                       inv[:, 0].flatten())
+    proj = quant_linear_of(model.get_submodule("model.visual.blocks.0.attn.proj"))
+    qkv = quant_linear_of(model.get_submodule("model.visual.blocks.0.attn.qkv"))
+    n = proj.module.in_features
+    want = torch.cat([torch.ones(2 * n), proj.inv_smooth])
+    assert torch.equal(t["model.visual.blocks.0.attn.qkv.weight_scale"].flatten(), qkv.w_scale * want)
+    mlp0 = quant_linear_of(model.get_submodule("model.visual.merger.mlp.0"))
+    D = float_state["model.visual.merger.ln_q.weight"].shape[0]
+    assert torch.equal(t["model.visual.merger.ln_q.weight"], float_state["model.visual.merger.ln_q.weight"] *
+                       mlp0.inv_smooth[:D])
+    assert quant_linear_of(model.get_submodule("model.visual.merger.mlp.2")).inv_smooth is None  # after GELU
+    # the final norm is smoothed, so the tied lm_head (which reads its rows) is written untied, int8
+    assert wrote["untied"] == ["lm_head"] and "lm_head" not in wrote["ignore"]
+    lm = quant_linear_of(model.get_submodule("lm_head"))
+    assert torch.equal(t["lm_head.weight"], lm.w_q)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert model.config.tie_word_embeddings is True  # the model in memory is as it was
+
+
+def test_a_smoothed_export_runs_the_smoothed_model(smoothed):
+    """Folding is exact in real arithmetic: pypto-gym's loader and transformers' from_pretrained both compute the
+    calibrated model's logits within rounding (the int8 codes of a row can move by one where a folded weight
+    rounds differently)."""
+    from transformers import AutoModelForImageTextToText
+
+    model, processor, family, ours, out, wrote, _ = smoothed
+    loaded, loaded_processor, _, report = export.load(out, backend="cpu")
+    batch = _inputs(loaded_processor, family)
+    back = _logits(loaded, batch)
+    assert report.to_json()["w8a8"]["summary"]["int8"] == 51 and report.to_json()["w8a8"]["summary"]["loaded_int8"] == 51
+    hf = _logits(AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32), batch)
+    live = ours.abs().amax(-1) > 0
+    for got, bound in ((back, 0.9999), (hf, 0.9995)):  # W8A8 itself is 0.9997 from the float model
+        cos = torch.nn.functional.cosine_similarity(got[live], ours[live], dim=-1)
+        assert float(cos.min()) > bound, float(cos.min())
+
+
+def test_a_smoothed_msmodelslim_export_holds_the_same_folded_model(smoothed, tmp_path):
+    model, processor, family, _, out, _, _ = smoothed
+    export.save(model, tmp_path / "ms", processor, "msmodelslim")
+    desc = json.loads((tmp_path / "ms" / "quant_model_description.json").read_text())
+    assert desc["lm_head.weight"] == "W8A8_DYNAMIC" and json.loads((tmp_path / "ms" / "config.json").read_text())[
+        "tie_word_embeddings"] is False
+    ms, ms_processor, _, _ = export.load(tmp_path / "ms", backend="cpu")
+    ct, ct_processor, _, _ = export.load(out, backend="cpu")
+    assert torch.equal(_logits(ms, _inputs(ms_processor, family)), _logits(ct, _inputs(ct_processor, family)))
+
+
+def test_a_scale_that_cannot_fold_is_refused_before_anything_is_written(tmp_path):
+    """A calibration file whose o_proj scale differs between two query heads of one kv head (not what calibrate
+    writes) runs in memory, but there is no single v_proj row to fold it into: export says so."""
+    from pypto_gym.quant import calibration
+
+    model, processor, family = models.load(None, "float32")
+    with calibration.Calibrator(model) as cal:
+        _logits(model, _inputs(processor, family))
+    scales = calibration.smooth_scales(model, cal.absmax, 0.5)
+    o_proj = "model.language_model.layers.0.self_attn.o_proj"
+    scales[o_proj] = scales[o_proj].clone()
+    scales[o_proj][0] *= 2  # query head 0's channel 0 only; query head 1 shares its kv head
+    calibration.save(tmp_path / "s.safetensors", scales, 0.5, model.config.model_type, ["one input"])
     patch_model(model, backend="cpu", quant="w8a8", calibration=tmp_path / "s.safetensors")
-    with pytest.raises(ValueError, match="the model is smoothed .* compressed-tensors stores no activation smooth scale"):
+    with pytest.raises(ValueError, match=f"export: {o_proj}'s smooth scale differs across the input channels that "
+                                         f"channel 0 of model.language_model.layers.0.self_attn.v_proj feeds"):
         export.save(model, tmp_path / "out")
-    assert not (tmp_path / "out").exists()  # refused before anything is written
+    assert not (tmp_path / "out").exists()
+
+
+def test_each_fold_source_writes_the_channels_the_table_says(tiny_fp32):
+    """The family tables' claim, checked on the running model: scaling the source's output channel c by f_c
+    scales the linear's input channel j by f[index[j]] (attention mixes positions, not channels; the merger
+    regroups ln_q's rows), for o_proj under GQA, the vision attn.proj and the merger's mlp.0."""
+    from pypto_gym.quant.fold import folds
+
+    model, processor, family = tiny_fp32
+    batch = _inputs(processor, family)
+    found = folds(model)
+    assert sum(p.endswith("self_attn.o_proj") for p in found) == 4 and sum(p.endswith("attn.proj") for p in found) == 4
+    assert "model.visual.merger.mlp.0" in found and "model.visual.merger.mlp.2" not in found  # after GELU: none
+    for path in ("model.language_model.layers.0.self_attn.o_proj", "model.visual.blocks.0.attn.proj",
+                 "model.visual.merger.mlp.0"):
+        fold = found[path]
+        seen = []
+        handle = model.get_submodule(path).register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
+        f = torch.ones(fold.width)  # the channels it reads (qkv: the v third only) scaled, the others kept
+        f[fold.index] = torch.rand(fold.width, generator=torch.Generator().manual_seed(0))[fold.index] + 0.5
+        params = [fold.source.weight] + ([fold.source.bias] if getattr(fold.source, "bias", None) is not None else [])
+        saved = [p.detach().clone() for p in params]
+        try:
+            _logits(model, batch)
+            with torch.no_grad():
+                for p in params:
+                    p.mul_(f.view(-1, *[1] * (p.dim() - 1)))
+            _logits(model, batch)
+        finally:
+            handle.remove()
+            with torch.no_grad():
+                for p, s in zip(params, saved):
+                    p.copy_(s)
+        torch.testing.assert_close(seen[1], seen[0] * f[fold.index], rtol=1e-4, atol=1e-5, msg=path)
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32():
+    return models.load(None, "float32")
 
 
 LLMC = Path(__file__).parent / "fixtures" / "llmcompressor_w8a8"

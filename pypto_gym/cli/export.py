@@ -1,5 +1,6 @@
 """`pypto-gym export`: the model patched in W8A8 mode, written as a compressed-tensors or an msModelSlim
-checkpoint (int8 weights + per-channel scales, config, tokenizer/processor, generation config)."""
+checkpoint (int8 weights + per-channel scales, config, tokenizer/processor, generation config); a
+--calibration's smoothing is folded into the weights (quant/fold.py)."""
 from __future__ import annotations
 
 from . import common
@@ -9,6 +10,8 @@ def add_parser(sub):
     p = sub.add_parser("export", help="write the W8A8 model as a compressed-tensors or msModelSlim checkpoint")
     common.add_model_args(p, random_weights=True)
     p.add_argument("--format", choices=["compressed-tensors", "msmodelslim"], default="compressed-tensors")
+    p.add_argument("--calibration", default=None,
+                   help="smooth scales from `calibrate`, folded into the checkpoint (default: no smoothing)")
     p.add_argument("--float-linears", default=None,
                    help="globs over linear kinds or paths kept in the model dtype (e.g. 'text.q_proj')")
     p.add_argument("out", help="a new or empty directory")
@@ -24,14 +27,19 @@ def run(args) -> int:
 
     family = common.model_family(args)
     out = Path(args.out)
+    if args.calibration is not None and not Path(args.calibration).is_file():
+        raise common.UserError(f"--calibration: no file at {args.calibration}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise common.UserError(f"out: {out} exists and is not an empty directory; expected a new or empty one")
     device = resolve_device(getattr(args, "device", None) or "cpu")
     model, processor, _ = common.load_model(args, family, device)
-    report = patch_model(model, backend="cpu", quant="w8a8", float_linears=args.float_linears)
+    report = patch_model(model, backend="cpu", quant="w8a8", calibration=args.calibration,
+                         float_linears=args.float_linears)
     wrote = export.save(model, out, processor, args.format)
     s = report.to_json()["w8a8"]["summary"]
     print(f"{args.format} checkpoint written to {out}: {len(wrote['int8'])} int8 linears (weight int8 + weight_scale "
           f"fp32 per output channel), {len(wrote['ignore'])} float ({', '.join(wrote['ignore'][:3])}"
-          f"{', ...' if len(wrote['ignore']) > 3 else ''}); {s['int8_weight_bytes'] / 2 ** 20:.1f} MB of int8 weights")
+          f"{', ...' if len(wrote['ignore']) > 3 else ''}); {s['int8_weight_bytes'] / 2 ** 20:.1f} MB of int8 weights"
+          + (f"; smoothing folded into the weights{', lm_head written untied' if wrote['untied'] else ''}"
+             if args.calibration else ""))
     return 0

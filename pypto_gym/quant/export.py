@@ -7,9 +7,12 @@ weight the int8 linear runs is the one written, no re-quantisation), every other
 model holds it, and a `quantization_config` naming the scheme and the linears left float (`ignore`:
 a tied lm_head, whose weight is the embedding's, `float_linears`, a tower without producers).
 
-A smoothed model (a calibration file) is refused: its int8 linears read rows multiplied by 1/s
-inside the fused ops, and compressed-tensors has no tensor for an activation smooth scale; folding
-it into the norms' and up_proj's weights is not built yet.
+A smoothed model (a calibration file) is written with every smooth scale folded into what writes the
+rows it scales (quant/fold.py: norm weights, up_proj's and v_proj's output rows, ln_q), as llm-compressor's
+SmoothQuant writes its checkpoints: neither format has a tensor for an activation smooth scale. The int8
+weights are still the ones the model runs; a folded int8 linear's weight_scale (and bias) carries the
+factor. A tied lm_head after a smoothed final norm reads rows scaled by 1/s, which the embedding must not:
+it is written untied, int8 (`tie_word_embeddings: false`).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .linear import STORED
+from .linear import STORED, quant_linear_of
 
 FORMAT = "compressed-tensors"
 
@@ -48,7 +51,8 @@ MSMODELSLIM_GLOBALS = {"version": "1.0.0", "model_quant_type": W8A8_DYNAMIC, "me
 def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> dict:
     """Write the W8A8-patched `model` (and its processor/tokenizer) to `out_dir` as a compressed-tensors or an
     msModelSlim W8A8_DYNAMIC checkpoint; returns {"int8": [paths], "ignore": [paths]}. Refused, before anything
-    is written, for a model that is not patched in W8A8 mode or is smoothed.
+    is written, for a model that is not patched in W8A8 mode. Smoothing is folded (module docstring); a tied
+    lm_head after a smoothed norm is written untied, int8 (returned as "untied").
 
     msModelSlim: every tensor in `quant_model_weights.safetensors`; per int8 linear `weight` int8,
     `weight_scale` fp32 [out, 1], `weight_offset` zeros fp32 [out, 1] (symmetric) and its bias fp32;
@@ -63,19 +67,18 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> 
     if plan is None:
         raise ValueError("export: the model is not patched with quant='w8a8'; patch it first (its int8 weights "
                          "are what is written)")
-    if plan.calibration is not None or any(ql.inv_smooth is not None for ql in plan.linears):
-        raise ValueError(f"export: the model is smoothed (calibration {plan.calibration}); {format} stores no "
-                         f"activation smooth scale and folding it into the weights is not built yet: export a model "
-                         f"patched without calibration")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"export: {out} exists and is not empty; expected a new or empty directory")
+    factors = _smoothing_factors(model, plan)  # refused here, before anything is written, if one cannot fold
     tensors = {}
-    int8, ignore = [], []
+    int8, ignore, untied = [], [], []
     for ql in plan.linears:
-        if ql.float_weight_shared:  # a tied lm_head: its weight is the embedding's, written once, float
-            ignore.append(ql.path)
-            continue
+        if ql.float_weight_shared:
+            if ql.source is None or ql.source.inv_smooth is None:  # a tied lm_head: the embedding's table, float
+                ignore.append(ql.path)
+                continue
+            untied.append(ql.path)  # it reads smoothed rows: its own int8 weight (W * s), not the embedding's
         int8.append(ql.path)
         scale = ql.w_scale.reshape(-1, 1).to(torch.float32).contiguous()
         tensors[f"{ql.path}.weight"] = ql.w_q.contiguous()
@@ -90,8 +93,12 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> 
     missing = [k for k, v in model.state_dict().items() if v.is_meta and k not in state_dict]
     if missing:
         raise ValueError(f"export: {missing[0]} has no data (released and not an int8 weight)")
-    model.save_pretrained(out, state_dict=state_dict, max_shard_size="1000GB")  # one weights file
-    tied = [ql.path for ql in plan.linears if ql.float_weight_shared]  # int8 in memory, float on disk
+    for name, f in factors.items():  # each output channel (dim 0) times its folded 1/s, rounded once
+        t = state_dict[name]
+        state_dict[name] = (t.float() * f.to(t.device).view(-1, *[1] * (t.dim() - 1))).to(t.dtype)
+    with _untied(model, bool(untied)):
+        model.save_pretrained(out, state_dict=state_dict, max_shard_size="1000GB")  # one weights file
+    tied = [ql.path for ql in plan.linears if ql.float_weight_shared and ql.path not in untied]  # float on disk
     (out / SIDECAR).write_text(json.dumps({"format": "pypto_gym-export-1", "quantised_from_float": tied},
                                           indent=2) + "\n")
     if format == "compressed-tensors":
@@ -110,7 +117,62 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> 
         (out / MSMODELSLIM_JSON).write_text(json.dumps({**description, **MSMODELSLIM_GLOBALS}, indent=2) + "\n")
     if processor is not None:
         processor.save_pretrained(out)
-    return {"int8": int8, "ignore": sorted(ignore)}
+    return {"int8": int8, "ignore": sorted(ignore), "untied": untied}
+
+
+def _smoothing_factors(model, plan) -> dict:
+    """{state-dict name: fp32 factor per output channel}: every smooth scale of the plan folded into what writes
+    the rows it scales (quant/fold.py); an int8 linear's factor goes to its weight_scale, a float one's to its
+    weight rows, with its bias either way."""
+    from .fold import folds, source_factor
+
+    factors = {}
+
+    def times(name, f):
+        factors[name] = f if name not in factors else factors[name] * f
+
+    def rows_of(path, f):  # a module's output channels: a norm's weight, a linear's rows
+        module = model.get_submodule(path)
+        int8 = isinstance(module, torch.nn.Linear) and quant_linear_of(module) is not None
+        times(f"{path}.weight_scale" if int8 else f"{path}.weight", f)
+        if getattr(module, "bias", None) is not None:
+            times(f"{path}.bias", f)
+
+    for path, norm in plan.norms.items():
+        if norm.inv_smooth is not None:
+            rows_of(path, norm.inv_smooth.detach().float().cpu())
+    for path, mlp in plan.mlps.items():
+        if mlp.inv_smooth is not None:
+            rows_of(f"{path}.up_proj", mlp.inv_smooth.detach().float().cpu())
+    sources = folds(model)
+    for ql in plan.linears:
+        if ql.source is None and ql.inv_smooth is not None:
+            if ql.path not in sources:
+                raise ValueError(f"export: {ql.path} is smoothed but its family table gives it nothing to fold its "
+                                 f"scale into; calibrate again (pypto-gym calibrate does not smooth it)")
+            fold = sources[ql.path]
+            rows_of(fold.source_path, source_factor(ql.inv_smooth, fold))
+    return factors
+
+
+class _untied:
+    """`with _untied(model, on)`: the model's config says tie_word_embeddings=False while save_pretrained writes
+    it (the lm_head is its own int8 tensor), and says what it said before afterwards."""
+
+    def __init__(self, model, on: bool):
+        configs = [model.config, model.config.get_text_config()] if on else []
+        self.configs = [c for i, c in enumerate(configs) if hasattr(c, "tie_word_embeddings")
+                        and all(c is not d for d in configs[:i])]
+
+    def __enter__(self):
+        self.saved = [c.tie_word_embeddings for c in self.configs]
+        for c in self.configs:
+            c.tie_word_embeddings = False
+
+    def __exit__(self, *exc):
+        for c, was in zip(self.configs, self.saved):
+            c.tie_word_embeddings = was
+        return False
 
 
 # ---- loading a compressed-tensors W8A8 checkpoint onto the fused kernels ----------------------------------
@@ -277,8 +339,6 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
     float_paths = [p for p, m in model.named_modules() if isinstance(m, torch.nn.Linear) and p not in stored
                    and p not in tied]
     report = patch_model(model, backend=backend, quant="w8a8", float_linears=float_paths or None, **patch_options)
-    from .linear import quant_linear_of
-
     lost = [lin for lin in stored if quant_linear_of(model.get_submodule(lin)) is None]
     if lost:
         raise ValueError(f"{where}: int8 linear {lost[0]} could not run int8 here (its producer stays float: "
