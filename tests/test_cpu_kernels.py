@@ -211,3 +211,20 @@ def test_the_default_build_is_the_best_level_this_cpu_runs():
     assert cpu.unavailable_reason() is None and cpu.isa == hardware.best_isa()
     assert cpu.extension().isa() == hardware.best_isa()
     assert math.isfinite(cpu.build_seconds)
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (1, 2048, 11), (3, 300, 24), (4, 31, 4), (5, 33, 7), (17, 4096, 9),
+                                   (70, 65, 33)])
+def test_int8_gemm_is_the_exact_integer_product(kernel, M, K, N):
+    """The int16 multiply-add GEMM (no-VNNI CPUs) on every level: bit-equal to the int64 product at shapes with
+    tails in every dim (rows past a 4-row tile and the 64-row block, columns past a tile, K past a vector), and
+    at the extremes (every operand -128: a pair of products is 2 * 2**14, past int16)."""
+    ext = registry.get(kernel).ext
+    gen = torch.Generator().manual_seed(M * 7919 + K * 31 + N)
+    x = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=gen)
+    w = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=gen)
+    got = ext.int8_gemm(x, w)
+    assert got.dtype == torch.int32 and torch.equal(got.long(), x.long() @ w.long().T)
+    lo_x, lo_w = torch.full_like(x, -128), torch.full_like(w, -128)
+    assert torch.equal(ext.int8_gemm(lo_x, lo_w).long(), lo_x.long() @ lo_w.long().T)
+    assert torch.equal(ext.int8_gemm(x[:, 1:], w[:, 1:]).long(), x[:, 1:].long() @ w[:, 1:].long().T)  # strided
