@@ -18,7 +18,7 @@ from pypto_gym.capture.runner import run_file
 from pypto_gym.cli import main as cli_main
 from pypto_gym.inference import generate, open_image
 from pypto_gym.models.qwen2_5_vl import DOCUMENT_IMAGE, SAMPLE_IMAGE
-from pypto_gym.ops import OPS
+from pypto_gym.ops import OPS, registry
 from pypto_gym.ops.quantize import quantize_rows
 from pypto_gym.patching import PatchError
 from pypto_gym.quant import activations, calibration
@@ -592,13 +592,62 @@ def test_release_float_weights_returns_the_memory_and_refuses_unpatch(tiny_loade
         patch_model(copy.deepcopy(tiny_loaded[0]), backend="cpu", release_float_weights=True)
 
 
-def test_a_cpu_without_int8_dot_products_is_told_once_at_patch_time(tiny_loaded, monkeypatch):
+def test_a_cpu_without_int8_dot_products_runs_the_int16_kernel_with_the_same_logits(tiny_loaded, sample_inputs,
+                                                                                      monkeypatch):
+    """No VNNI: the int8 linears and the merged gate/up GEMM run the cpu kernels' int16 multiply-add GEMM
+    (oneDNN has no fast int8 path there), exact, so the logits are those of the torch._int_mm path bit for bit."""
+    import warnings
+
+    from pypto_gym import hardware
+
+    model = copy.deepcopy(tiny_loaded[0])
+    patch_model(model, backend="cpu", quant="w8a8")
+    want = _logits(model, sample_inputs)
+    monkeypatch.setattr(hardware, "native_int8", lambda: False)
+    ext = registry.get("cpu").ext
+    calls = []
+    real = ext.int8_gemm
+
+    class Spy:  # the compiled module's attributes are read-only: wrap it
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def int8_gemm(self, x, w):
+            calls.append(tuple(w.shape))
+            return real(x, w)
+
+    monkeypatch.setattr(registry.get("cpu"), "_ext", Spy())
+    model = copy.deepcopy(tiny_loaded[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fast path exists: nothing to warn about
+        report = patch_model(model, backend="cpu", quant="w8a8")
+    assert "int16 multiply-add" in report.to_json()["w8a8"]["int8_gemm"]
+    assert torch.equal(_logits(model, sample_inputs), want)
+    gate = model.get_submodule("model.language_model.layers.0.mlp.gate_proj").weight
+    assert (2 * gate.shape[0], gate.shape[1]) in calls  # the merged gate/up weight
+    assert len(calls) == 51 - 8  # one GEMM per linear, one per MLP's gate + up
+
+
+@pytest.mark.parametrize("cap,native", [("AVX2", False), ("avx512_core", False), ("SSE41", False),
+                                       ("AVX512_CORE_VNNI", None), ("AVX512_CORE_AMX", None), ("ALL", None)])
+def test_onednn_capped_below_vnni_counts_as_no_int8_dot_products(monkeypatch, cap, native):
+    """oneDNN at ONEDNN_MAX_CPU_ISA=AVX2 runs a saturating s8s8 GEMM (wrong sums), so torch._int_mm is not taken;
+    a cap that keeps VNNI leaves the CPU's flags to decide."""
+    from pypto_gym import hardware
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert hardware.native_int8() is (True if native is None else native)
+
+
+def test_a_cpu_without_int8_dot_products_or_avx2_is_told_once_at_patch_time(tiny_loaded, monkeypatch):
     from pypto_gym import hardware
     from pypto_gym.quant import plan
 
     monkeypatch.setattr(hardware, "native_int8", lambda: False)
+    monkeypatch.setattr(hardware, "best_isa", lambda: "generic")
     monkeypatch.setattr(plan, "_said", [])
-    with pytest.warns(RuntimeWarning, match="no int8 dot-product instructions"):
+    with pytest.warns(RuntimeWarning, match="neither int8 dot-product instructions"):
         report = patch_model(copy.deepcopy(tiny_loaded[0]), backend="cpu", quant="w8a8")
     assert "note: this CPU" in str(report) and report.to_json()["w8a8"]["speed_note"]
     import warnings

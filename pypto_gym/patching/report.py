@@ -108,6 +108,8 @@ def _w8a8_lines(q: dict) -> list[str]:
              f"int8 rows handed over x{s['handed_over']}, quantised in the linear x{s['quantized_here']}, "
              f"fallbacks={s['fallbacks']}; weights of the int8 linears {s['float_weight_bytes'] / 2 ** 20:.1f} MB "
              f"float -> {s['int8_weight_bytes'] / 2 ** 20:.1f} MB int8 " + _float_copies(s)]
+    if q.get("int8_gemm"):
+        lines.append(f"int8 GEMM on this CPU: {q['int8_gemm']}")
     if q.get("speed_note"):
         lines.append(f"note: {q['speed_note']}")
     for r in q["skipped_producers"]:

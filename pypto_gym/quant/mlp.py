@@ -1,8 +1,8 @@
 """QuantMlp: a patched SwiGLU MLP in W8A8 mode, handing its activation to an int8 down_proj as int8 rows.
 
 gate_proj and up_proj are int8 linears fed by the norm before the MLP (plan.py). Where both read that
-norm's int8 rows and the tensors are on the CPU, the MLP runs them as one int32 GEMM over their
-merged weights (`torch._int_mm`: the two linears' int8 weights are views of one [2I, K] tensor, no
+norm's int8 rows and the tensors are on the CPU, the MLP runs them as one exact int32 GEMM over their
+merged weights (`ops.int32_gemm`: the two linears' int8 weights are views of one [2I, K] tensor, no
 second copy) and `dequant_swiglu_quant` takes the int32 output to down_proj's int8 rows: no float
 gate, up or activation is written. Otherwise (hooks on gate_proj/up_proj, rows that escaped, another
 device) the linears run as modules and `swiglu_dynamic_quant` quantises silu(gate) * up; the report
@@ -50,7 +50,7 @@ class QuantMlp(activations.Producer):
         if rows is not None:
             q, x_scale = rows
             w_q, w_scale, gate, up = self.merged
-            acc = torch._int_mm(q.reshape(-1, q.shape[-1]), w_q.t()).reshape(*q.shape[:-1], w_q.shape[0])
+            acc = ops.int32_gemm(q.reshape(-1, q.shape[-1]), w_q).reshape(*q.shape[:-1], w_q.shape[0])
             biases = (gate.module.bias, up.module.bias)
             bias = None if biases[0] is None else torch.cat(biases).detach()
             y, scale = ops.dequant_swiglu_quant(acc, w_scale, x_scale, bias, self.inv_smooth, activate_left=True,

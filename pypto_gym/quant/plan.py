@@ -86,6 +86,7 @@ class QuantPlan:
         self.calibration_ignored: list[str] = []  # producers and linears of the file this patch does not quantise
         self.float_reasons: dict = {}  # linear path -> why float_linears left it in the model dtype
         self.speed_note: str | None = None  # said once at patch time where the int8 GEMM has no fast path
+        self.int8_gemm: str | None = None  # which exact int32 GEMM the CPU's int8 linears run (ops.int32_gemm)
 
     def unpatch_refusal(self) -> str | None:
         """Why unpatch_model cannot restore the float model (its weights were released), else None."""
@@ -120,7 +121,7 @@ class QuantPlan:
                             "released_float_bytes": sum(ql.released_bytes for ql in self.linears),
                             "loaded_int8": sum(ql.stored for ql in self.linears),
                             "int8_weight_bytes": sum(r["int8_weight_bytes"] for r in q)},
-                "speed_note": self.speed_note, "skipped_producers": [dict(r) for r in self.skipped_producers],
+                "speed_note": self.speed_note, "int8_gemm": self.int8_gemm, "skipped_producers": [dict(r) for r in self.skipped_producers],
                 "calibration_ignored": list(self.calibration_ignored), "linears": rows}
 
 
@@ -243,10 +244,14 @@ def install(model, state) -> QuantPlan:
             if not ql.float_weight_shared:
                 ql.release()
     on_cpu = any(ql.module.weight.device.type in ("cpu", "meta") for ql in plan.linears)
-    if on_cpu and backend in ("auto", "cpu") and not hardware.native_int8():
-        plan.speed_note = (f"this CPU ({hardware.cpu_model()}) has no int8 dot-product instructions (VNNI, AMX): "
-                           f"torch._int_mm has no fast path here, so the int8 linears are exact but slower than the "
-                           f"float model's")
+    if on_cpu and backend in ("auto", "cpu"):
+        plan.int8_gemm = ("torch._int_mm (oneDNN: int8 dot products)" if hardware.native_int8() else
+                          f"the cpu kernels' int16 multiply-add GEMM ({hardware.best_isa()}: no int8 dot products)"
+                          if hardware.best_isa() != "generic" else "torch._int_mm (no fast path)")
+    if on_cpu and backend in ("auto", "cpu") and not hardware.native_int8() and hardware.best_isa() == "generic":
+        plan.speed_note = (f"this CPU ({hardware.cpu_model()}) has neither int8 dot-product instructions (VNNI, AMX) "
+                           f"nor AVX2: its int8 GEMM has no fast path, so the int8 linears are exact but slower than "
+                           f"the float model's")
         if not _said:
             _said.append(plan.speed_note)
             warnings.warn(f"pypto-gym W8A8: {plan.speed_note}", RuntimeWarning, stacklevel=3)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import hardware
 from ..args import FLOAT_DTYPES, ArgValueError, DType, Output, Tensor, dtype_name
 from ..backends.npu import HALF
 from ..op import Op
@@ -52,14 +53,30 @@ QUANT_MATMUL = Op(quant_matmul, [
               {"R": (17,), "K": 16, "N": 8, "bias": None, "out_dtype": torch.float16}))
 
 
+def int32_gemm(x2, w_q, backend=None):
+    """x2 int8 [M, K] @ w_q int8 [N, K]^T -> int32 [M, N], exact, by this CPU's fastest exact path (measured,
+    README "int8 GEMMs"): torch._int_mm (oneDNN) where the CPU has int8 dot products (VNNI, AMX); without them
+    oneDNN has no fast int8 path, and the cpu kernels' int16 multiply-add GEMM (quant_matmul.cpp, AVX2 or
+    AVX-512) runs instead; torch._int_mm again where neither (a generic build). `backend`: the cpu backend
+    whose kernels to use (default: the process's `cpu`)."""
+    if not hardware.native_int8():
+        if backend is None:
+            from ..registry import get
+
+            backend = get("cpu")
+        if backend.ext is not None and backend.isa != "generic":
+            return backend.ext.int8_gemm(x2, w_q)
+    return torch._int_mm(x2, w_q.t())
+
+
 @QUANT_MATMUL.impl("cpu")
 def _(backend, x_q, w_q, x_scale, w_scale, bias, out_dtype):
-    """torch._int_mm (oneDNN's int8 GEMM with int32 accumulation; VNNI where the CPU has it), then the
-    golden's epilogue in its order as one C++ pass (quant_matmul.cpp). Chosen by measurement over
-    torch's other int8 GEMMs (README, "int8 GEMMs"): the fastest that takes int8 rows with per-row
-    scales as they are and stays bit-identical to the golden."""
+    """The exact int32 GEMM this CPU runs fastest (`int32_gemm`), then the golden's epilogue in its order as
+    one C++ pass (quant_matmul.cpp). Chosen by measurement over torch's other int8 GEMMs (README, "int8
+    GEMMs"): the fastest that takes int8 rows with per-row scales as they are and stays bit-identical to
+    the golden."""
     K, N = x_q.shape[-1], w_q.shape[0]
-    acc = torch._int_mm(x_q.reshape(-1, K), w_q.t())
+    acc = int32_gemm(x_q.reshape(-1, K), w_q, backend)
     return backend.ext.dequant(acc, x_scale, w_scale, bias, out_dtype).reshape(*x_q.shape[:-1], N)
 
 
