@@ -93,6 +93,22 @@ def test_pypto_gym_loads_the_export_onto_the_fused_kernels_with_equal_logits(exp
         unpatch_model(loaded)
 
 
+def test_a_checkpoint_with_the_legacy_tensor_names_loads_the_same(exported, tmp_path):
+    """transformers 5.x's own save_pretrained writes Qwen2.5-VL as `model.layers.*` / `visual.*` (the 4.x layout),
+    and llm-compressor writes back the layout it read: the loader maps them to the module paths."""
+    model, processor, family, ours, out, _ = exported
+
+    def legacy(t, c):
+        for k in list(t):
+            new = k.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1)
+            t[new] = t.pop(k)
+
+    bad = _damaged(out, tmp_path, legacy)
+    assert any(k.startswith("visual.") for k in load_file(str(bad / "model.safetensors")))
+    loaded, loaded_processor, _, _ = export.load(bad, backend="cpu")
+    assert torch.equal(_logits(loaded, _inputs(loaded_processor, family)), ours)
+
+
 def test_a_text_family_round_trips(tmp_path):
     family = models.FAMILIES["qwen3"]
     model, processor = family.load(family.TINY_DIR, "float32", "cpu")

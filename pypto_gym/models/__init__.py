@@ -3,7 +3,8 @@
 Every family module provides: NAME, MODEL_TYPES, MULTIMODAL, TINY_DIR (its shipped tiny checkpoint,
 or None), IMAGES and CALIBRATION_PROMPTS (default capture and calibration inputs), W8A8_LINEARS
 (which linears read each norm kind's rows) and W8A8_OWN_INPUT (path suffixes of the linears that quantise
-their own input -> where their smooth scale folds, or None), `load(path, dtype, device) -> (model,
+their own input -> where their smooth scale folds, or None), LEGACY_NAMES (regex renames of older checkpoint
+tensor names to module paths), `load(path, dtype, device) -> (model,
 processor)`, and, with a tiny checkpoint, `build_tiny(out)`. Families: Qwen2.5-VL (with GutenOCR-3B),
 Qwen2-VL, Qwen3, Llama.
 """

@@ -17,6 +17,7 @@ IMAGES: tuple = ()
 CALIBRATION_PROMPTS = TEXT_PROMPTS
 W8A8_LINEARS = TEXT_LINEARS_AFTER_NORM  # the linears that read each norm kind's rows
 W8A8_OWN_INPUT = TEXT_OWN_INPUT  # ... and the one that quantises its own input
+LEGACY_NAMES = ()  # checkpoint tensor names are the module paths
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 CHAT_TEMPLATE = ("<|begin_of_text|>{% for message in messages %}<|start_header_id|>{{ message['role'] }}"
                  "<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>{% endfor %}"

@@ -40,6 +40,10 @@ W8A8_LINEARS = {
 W8A8_OWN_INPUT = {**TEXT_OWN_INPUT, "attn.proj": ("attn.qkv", "v_third"), "merger.mlp.0": ("merger.ln_q", "tiled"),
                   "merger.mlp.2": None}
 
+# Checkpoint tensor names in the layout transformers 4.x wrote (and 5.x's save_pretrained still writes, and
+# llm-compressor then keeps) -> the module paths transformers 5.x loads them into (its conversion mapping).
+LEGACY_NAMES = ((r"^visual\.", "model.visual."), (r"^model\.(?!language_model\.|visual\.)", "model.language_model."))
+
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",

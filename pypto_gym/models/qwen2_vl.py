@@ -18,6 +18,7 @@ IMAGES = qwen2_5_vl.IMAGES
 CALIBRATION_PROMPTS = qwen2_5_vl.CALIBRATION_PROMPTS
 W8A8_LINEARS = TEXT_LINEARS_AFTER_NORM  # the vision tower's norms are LayerNorms: no int8 rows there
 W8A8_OWN_INPUT = TEXT_OWN_INPUT  # the vision tower stays float with its LayerNorms
+LEGACY_NAMES = qwen2_5_vl.LEGACY_NAMES
 
 
 def load(path, dtype="auto", device="cpu"):

@@ -16,6 +16,7 @@ IMAGES: tuple = ()
 CALIBRATION_PROMPTS = TEXT_PROMPTS
 W8A8_LINEARS = TEXT_LINEARS_AFTER_NORM  # the linears that read each norm kind's rows
 W8A8_OWN_INPUT = TEXT_OWN_INPUT  # ... and the one that quantises its own input
+LEGACY_NAMES = ()  # checkpoint tensor names are the module paths
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

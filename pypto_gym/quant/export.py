@@ -17,6 +17,7 @@ it is written untied, int8 (`tie_word_embeddings: false`).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -275,6 +276,8 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
         _check_description(where, json.loads((path / MSMODELSLIM_JSON).read_text()), tensors)
     else:
         _check_scheme(where, json.loads((path / "config.json").read_text()).get("quantization_config"))
+    family = models.family(json.loads((path / "config.json").read_text()).get("model_type"))
+    tensors = _module_names(tensors, family)
     sidecar = json.loads((path / SIDECAR).read_text()) if (path / SIDECAR).is_file() else {}
     scales = {k[:-len(".weight_scale")] for k in tensors if k.endswith(".weight_scale")}
     stored = {}
@@ -297,7 +300,6 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    family = models.family(config.model_type)
     cls = AutoModelForImageTextToText if family.MULTIMODAL else AutoModelForCausalLM
     torch_dtype = getattr(torch, dtype) if dtype != "auto" else getattr(config, "dtype", None) or torch.float32
     with no_init_weights():
@@ -347,6 +349,21 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
     from ..models.qwen2_5_vl import Processor
 
     return model, (Processor if family.MULTIMODAL else TextProcessor)(path), family, report
+
+
+def _module_names(tensors: dict, family) -> dict:
+    """The tensors named by the module paths of the model transformers 5.x builds: a checkpoint in an older layout
+    (family.LEGACY_NAMES: Qwen2.5-VL's `model.layers.*` and `visual.*`, which 5.x's save_pretrained writes and
+    llm-compressor writes back as it read them), none of whose names is in the current one, is renamed whole."""
+    current = tuple(replacement for _, replacement in family.LEGACY_NAMES)
+    if not current or any(k.startswith(current) for k in tensors):
+        return tensors
+    renamed = {}
+    for name, t in tensors.items():
+        for pattern, replacement in family.LEGACY_NAMES:
+            name = re.sub(pattern, replacement, name, count=1)
+        renamed[name] = t
+    return renamed
 
 
 def _tied_keys(model) -> set:
