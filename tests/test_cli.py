@@ -235,3 +235,14 @@ def test_decode_speed_is_a_figure_that_means_something(tps, steps, text):
     from pypto_gym.cli.common import speed
 
     assert speed(tps, steps) == text
+
+
+def test_as_avx2_runs_w8a8_on_the_int16_gemm_under_onednns_avx2_cap():
+    """scripts/as_avx2.py: the CPU's AVX-512 / VNNI flags hidden and oneDNN capped at AVX2, where torch._int_mm
+    saturates; W8A8 then runs the cpu kernels' own exact GEMM, built for avx2, with no fallback."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "as_avx2.py"), "infer", "--use_pto", "--quant", "w8a8",
+                          "--max-new-tokens", "2"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "(kernel level avx2)" in out.stdout and "ONEDNN_MAX_CPU_ISA=AVX2" in out.stdout
+    assert "int8 GEMM on this CPU: the cpu kernels' int16 multiply-add GEMM (avx2" in out.stdout
+    assert "W8A8: 51/51 linears int8" in out.stdout and "fallbacks=0;" in out.stdout
