@@ -78,3 +78,5 @@ def test_bench_refuses_bad_arguments(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "e2e", "--repeats", "0"])
     assert exit_.value.code == 2 and "--repeats: got 0; expected an integer >= 1" in capsys.readouterr().err
+    assert main(["bench", "w8a8", "--llmcompressor", "/no/such/python"]) == 2
+    assert "--llmcompressor: no python at /no/such/python" in capsys.readouterr().err

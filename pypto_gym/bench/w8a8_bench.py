@@ -206,7 +206,7 @@ def compare(ref: list, got: list) -> dict:
             "positions": int(cos.numel())}
 
 
-def run_accuracy(quick: bool, json_path, png_path, recipe=None, sensitivity: bool = False) -> int:
+def run_accuracy(quick: bool, json_path, png_path, recipe=None, sensitivity: bool = False, llmcompressor=None) -> int:
     from ..inference import default_dtype, generate, open_image
     from ..models.qwen2_5_vl import CALIBRATION_PROMPTS, DOCUMENT_IMAGE, GUTENOCR_CONFIG, SAMPLE_IMAGE, TINY_DIR, load, \
         random_model
@@ -238,6 +238,7 @@ def run_accuracy(quick: bool, json_path, png_path, recipe=None, sensitivity: boo
             runs += [(RECIPE, 0.5, recipe)] if recipe else []
             if sensitivity and variant == "outliers":
                 runs += [(f"alpha 0.5, {kind} float", 0.5, kind) for kind in _linear_kinds(model)]
+            runs += [(DECODER_ONLY, 0.5, DECODER_ONLY_FLOAT)] if llmcompressor else []
             with tempfile.TemporaryDirectory() as tmp:
                 for label, alpha, keep in runs:
                     calib = None
@@ -249,13 +250,12 @@ def run_accuracy(quick: bool, json_path, png_path, recipe=None, sensitivity: boo
                     with patched(model, backend="cpu", quant="w8a8", calibration=calib, float_linears=keep) as report:
                         got = _eval_logits(model, processor, eval_inputs)
                         s = report.to_json()["w8a8"]["summary"]
-                    row = {"model": model_name, "variant": variant, "smoothing": label, "dtype": dtype,
-                           "float_linears": keep, "int8_linears": f"{s['int8']}/{s['linears']}", **compare(ref, got)}
-                    rows.append(row)
-                    print(f"{model_name:<46} {variant:<9} {label:<28} {row['int8_linears']:>5} int8  "
-                          f"cosine mean {row['cosine_mean']:.5f} min {row['cosine_min']:.5f} "
-                          f"top-1 {row['top1_agreement'] * 100:5.1f}% ({row['positions']} positions)", flush=True)
-    rows += _llm_compressor_rows(processor, eval_inputs, dtype)
+                    rows.append(_row(model_name, variant, label, dtype, keep, s, compare(ref, got)))
+            if llmcompressor:
+                s, scores = _llm_compressor_run(llmcompressor, model, processor, calib_inputs, eval_inputs, ref, dtype)
+                rows.append(_row(model_name, variant, LLMC_LABEL, dtype, None, s, scores))
+    if not llmcompressor:
+        rows += _llm_compressor_rows(processor, eval_inputs, dtype)
     goals = []
     for model_name in builders:
         pick = {(r["variant"], r["smoothing"]): r for r in rows if r["model"] == model_name}
@@ -278,6 +278,43 @@ RECIPE = "alpha 0.5 + float_linears"
 LLMC_FIXTURE = Path(__file__).resolve().parent.parent.parent / "tests" / "fixtures" / "llmcompressor_w8a8"
 
 
+def _row(model_name, variant, label, dtype, keep, summary, scores) -> dict:
+    """One row of the accuracy table, printed as it is measured."""
+    row = {"model": model_name, "variant": variant, "smoothing": label, "dtype": dtype, "float_linears": keep,
+           "int8_linears": f"{summary['int8']}/{summary['linears']}", **scores}
+    print(f"{model_name:<46} {variant:<9} {label:<28} {row['int8_linears']:>5} int8  "
+          f"cosine mean {row['cosine_mean']:.5f} min {row['cosine_min']:.5f} "
+          f"top-1 {row['top1_agreement'] * 100:5.1f}% ({row['positions']} positions)", flush=True)
+    return row
+
+
+def _llm_compressor_run(python, model, processor, calib_inputs, eval_inputs, ref, dtype):
+    """(W8A8 summary, scores) of llm-compressor's SmoothQuant 0.5 + W8A8 recipe on this very float model, calibrated
+    on the batches pypto-gym's calibration ran (the processor's tensors, images included), in its own environment
+    (scripts/make_llmcompressor_fixture.py), and run by pypto-gym from the checkpoint it writes."""
+    import subprocess
+
+    from ..inference import open_image
+    from ..quant import export
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "make_llmcompressor_fixture.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"--llmcompressor: {script} is not here (a source checkout has it)")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out, inputs = Path(tmp) / "float", Path(tmp) / "llmc", Path(tmp) / "inputs.pt"
+        model.save_pretrained(src)
+        processor.save_pretrained(src)
+        torch.save([{k: v for k, v in processor([p], [open_image(i)], None).items() if isinstance(v, torch.Tensor)}
+                    for p, i in calib_inputs], inputs)
+        done = subprocess.run([str(python), str(script), "--source", str(src), "--out", str(out), "--inputs",
+                               str(inputs)], capture_output=True, text=True)
+        if done.returncode:
+            tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"llm-compressor ({python}) failed: {tail}")
+        loaded, _, _, report = export.load(out, backend="cpu", dtype=dtype)
+        return report.to_json()["w8a8"]["summary"], compare(ref, _eval_logits(loaded, processor, eval_inputs))
+
+
 def _llm_compressor_rows(processor, eval_inputs, dtype) -> list:
     """The embedded checkpoint as llm-compressor quantised it (its SmoothQuant + W8A8 recipe; the decoder int8,
     the vision tower and lm_head float: tests/fixtures/llmcompressor_w8a8), run by pypto-gym from its stored
@@ -290,13 +327,8 @@ def _llm_compressor_rows(processor, eval_inputs, dtype) -> list:
     ref = _eval_logits(load(TINY_DIR, dtype)[0], processor, eval_inputs)
     model, _, _, report = export.load(LLMC_FIXTURE, backend="cpu", dtype=dtype)
     s = report.to_json()["w8a8"]["summary"]
-    row = {"model": "embedded checkpoint", "variant": "plain", "smoothing": "llm-compressor (SmoothQuant 0.5)",
-           "dtype": dtype, "float_linears": None, "int8_linears": f"{s['int8']}/{s['linears']}",
-           **compare(ref, _eval_logits(model, processor, eval_inputs))}
-    print(f"{row['model']:<46} {row['variant']:<9} {row['smoothing']:<28} {row['int8_linears']:>5} int8  "
-          f"cosine mean {row['cosine_mean']:.5f} min {row['cosine_min']:.5f} "
-          f"top-1 {row['top1_agreement'] * 100:5.1f}% ({row['positions']} positions)", flush=True)
-    return [row]
+    return [_row("embedded checkpoint", "plain", LLMC_FIXTURE_LABEL, dtype, None, s,
+                 compare(ref, _eval_logits(model, processor, eval_inputs)))]
 
 
 def _label(alpha) -> str:
@@ -336,7 +368,7 @@ def _plot_accuracy(plt, rows):
     labels = [f"{r['model'].split(' (')[0]}\n{r['variant']}, {r['smoothing']}" for r in rows]
     palette = {_label(a): c for a, c in zip(SMOOTHING, ("tab:red", "tab:green", "tab:olive"))}
     palette[RECIPE] = "tab:blue"
-    palette["llm-compressor (SmoothQuant 0.5)"] = "tab:purple"
+    palette.update({LLMC_FIXTURE_LABEL: "tab:purple", LLMC_LABEL: "tab:purple", DECODER_ONLY: "tab:cyan"})
     colors = [palette[r["smoothing"]] for r in rows]
     axes[0].bar(range(len(rows)), [1 - r["cosine_mean"] for r in rows], color=colors)
     axes[0].set_yscale("log")

@@ -1,6 +1,8 @@
 """`pypto-gym bench ...` (scripts/bench.py): benchmarks that print ratios, PASS/FAIL goal lines and write JSON/PNG."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from .common import BENCH_OUT, POSITIVE, UserError, bench_outputs
 
 
@@ -51,6 +53,9 @@ def add_parser(sub):
                    help="a recipe column: alpha 0.5 with these linear kinds/paths kept in the model dtype")
     b.add_argument("--sensitivity", action="store_true",
                    help="also each outlier model with one kind of linear kept float at a time")
+    b.add_argument("--llmcompressor", metavar="PYTHON", default=None,
+                   help="the python of an llm-compressor 0.14 environment: an llm-compressor row per model and "
+                        "variant, calibrated on the same inputs (scripts/make_llmcompressor_fixture.py)")
     b.add_argument("--json", help=f"default: {BENCH_OUT}/w8a8.json")
     b.add_argument("--png", help=f"default: {BENCH_OUT}/w8a8.png")
     b.set_defaults(func=cmd_bench_w8a8)
@@ -146,7 +151,10 @@ def cmd_bench_gemm(args) -> int:
 def cmd_bench_w8a8(args) -> int:
     from ..bench import w8a8_bench
 
+    if args.llmcompressor is not None and not Path(args.llmcompressor).is_file():
+        raise UserError(f"--llmcompressor: no python at {args.llmcompressor}")
     json_path, png_path = bench_outputs(args, "w8a8")
-    return w8a8_bench.run_accuracy(args.quick, json_path, png_path, args.float_linears, args.sensitivity)
+    return w8a8_bench.run_accuracy(args.quick, json_path, png_path, args.float_linears, args.sensitivity,
+                                   args.llmcompressor)
 
 
