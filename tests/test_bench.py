@@ -54,13 +54,39 @@ def test_bench_e2e_runs_every_variant(tmp_path):
                                     "patched cpu, no fusion", "patched cpu, W8A8"}
     for m in data["medians"].values():
         assert m["prefill_s"] > 0 and m["vision_s"] > 0 and m["new_tokens"] == 2
-    assert len(data["goals"]) == 5 and data["dtype"] == "float32"  # cpu prefill, decode; W8A8 decode, prefill, bytes
+    assert len(data["goals"]) == 6 and data["dtype"] == "float32"  # cpu prefill, decode; W8A8 decode, prefill, bytes x2
     w = data["weights"]
     assert w["float_model_bytes"] > w["w8a8_deployed_bytes"] > w["embedding_bytes"] > 0
     emb, tied = w["embedding_bytes"], w["tied_int8_copy_bytes"]
     assert w["deployed_vs_float_without_embedding"] == pytest.approx(
         (w["w8a8_deployed_bytes"] - emb) / (w["float_model_bytes"] - emb))
     assert tied > 0 and w["deployed_vs_float_without_embedding_tied_head_float"] < w["deployed_vs_float_without_embedding"]
+    # at 36 layers the tied lm_head's int8 copy weighs less than at one
+    assert w["full_depth"] == [36, 32] and w["deployed_vs_float_without_embedding_full_depth"] < \
+        w["deployed_vs_float_without_embedding"]
+
+
+def test_the_full_depth_projection_is_the_measured_ratio_at_the_measured_depth():
+    """bench e2e's projection, checked where it must agree with the measurement (the same depth) and against
+    the bytes counted by hand at twice the depth."""
+    from pypto_gym import models, patch_model
+    from pypto_gym.bench.e2e_bench import full_depth_ratio
+
+    model = models.load(None, "float32")[0]
+    emb = model.get_input_embeddings().weight
+    float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    q = patch_model(model, backend="cpu", quant="w8a8").to_json()["w8a8"]
+    s = q["summary"]
+    measured = (float_bytes - s["releasable_float_bytes"] + s["int8_weight_bytes"] - 4 * emb.numel()) / \
+        (float_bytes - 4 * emb.numel())
+    assert full_depth_ratio(model, q, 4, 4, (4, 4)) == pytest.approx(measured)
+    layer = [(p, t.numel() * 4) for p, t in model.named_parameters() if ".layers.0." in p or ".blocks.0." in p]
+    rows = [r for r in q["linears"] if ".layers.0." in r["path"] or ".blocks.0." in r["path"]]
+    extra_float = sum(b for _, b in layer)  # one more layer 0 and block 0 each, at 8 layers and 8 blocks: x4
+    extra_delta = sum(r["int8_weight_bytes"] - r["float_weight_bytes"] for r in rows)
+    want = (measured * (float_bytes - 4 * emb.numel()) + 4 * (extra_float + extra_delta)) / \
+        (float_bytes - 4 * emb.numel() + 4 * extra_float)
+    assert full_depth_ratio(model, q, 4, 4, (8, 8)) == pytest.approx(want, rel=1e-3)
 
 
 @pytest.mark.parametrize("family", ["tiny_qwen3", "tiny_llama"])
