@@ -3,9 +3,11 @@
 `patch_model(model, quant="w8a8", calibration=FILE)` makes each norm before such linears run
 `rms_norm_dynamic_quant` / `add_rms_norm_dynamic_quant` (norm.py), hands their int8 rows and
 per-row scales to the linears (activations.py), whose forwards run `ops.quant_matmul` on int8
-copies of their weights (linear.py). plan.py decides which norms and linears; calibration.py
-makes and checks the smooth scales. Unpatching restores the float model exactly: the float
-weights are never modified.
+copies of their weights (linear.py); each patched SwiGLU MLP hands its down_proj int8 rows the same
+way (mlp.py), and the linears no fused op feeds quantise their input themselves. plan.py decides
+which producers and linears; calibration.py makes and checks the smooth scales; fold.py says where
+each scale goes in a checkpoint, which export.py writes (compressed-tensors, msModelSlim) and loads.
+Unpatching restores the float model exactly: the float weights are never modified (unless released).
 """
 from ..patching import register_quant_mode
 from .plan import QuantPlan, install
