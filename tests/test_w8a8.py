@@ -628,6 +628,21 @@ def test_a_cpu_without_int8_dot_products_runs_the_int16_kernel_with_the_same_log
     assert len(calls) == 51 - 8  # one GEMM per linear, one per MLP's gate + up
 
 
+def test_without_vnni_or_built_kernels_the_int32_gemm_is_still_exact(monkeypatch):
+    """No int8 dot products and no compiled kernels: not torch._int_mm (oneDNN's non-VNNI int8 path can saturate)
+    but the reference's exact fp32-chunked product, as int32."""
+    from types import SimpleNamespace
+
+    from pypto_gym import hardware
+
+    monkeypatch.setattr(hardware, "native_int8", lambda: False)
+    monkeypatch.setattr(torch, "_int_mm", None)  # taking it would raise
+    gen = torch.Generator().manual_seed(3)
+    x, w = int8((5, 2100), gen), int8((7, 2100), gen)
+    got = ops.int32_gemm(x, w, SimpleNamespace(ext=None))
+    assert got.dtype == torch.int32 and torch.equal(got.long(), x.long() @ w.long().T)
+
+
 @pytest.mark.parametrize("cap,native", [("AVX2", False), ("avx512_core", False), ("SSE41", False),
                                        ("AVX512_CORE_VNNI", None), ("AVX512_CORE_AMX", None), ("ALL", None)])
 def test_onednn_capped_below_vnni_counts_as_no_int8_dot_products(monkeypatch, cap, native):

@@ -71,7 +71,9 @@ def _gemm_candidates(M, K, N):
         gemms["int16 madd GEMM + epilogue"] = lambda: ext.int8_gemm(x_q, w_q)
         fns["_int_mm + epilogue"] = lambda: ext.dequant(torch._int_mm(x_q, w_q.t()), x_s, w_s, None, torch.bfloat16)
         fns["int16 madd GEMM + epilogue"] = lambda: ext.dequant(ext.int8_gemm(x_q, w_q), x_s, w_s, None, torch.bfloat16)
-    gold = _integer_product(x_q, w_q)
+    from ..ops.defs.quant_matmul import exact_product
+
+    gold = exact_product(x_q, w_q).long()
     wrong = {name: int((gemm().long() != gold).sum()) for name, gemm in gemms.items()}  # entries off the exact sum
     try:
         packed = torch.ops.onednn.qlinear_prepack(w_q, [M, K])
@@ -100,16 +102,6 @@ def _gemm_candidates(M, K, N):
     wb_scale = w_s.bfloat16()
     fns["_weight_int8pack_mm (W8A16)"] = lambda: torch._weight_int8pack_mm(xb, w_q, wb_scale)
     return fns, notes, wrong
-
-
-def _integer_product(x_q, w_q) -> torch.Tensor:
-    """x_q @ w_q^T exactly, as int64 (fp32 products over 1024 columns are exact, summed in fp64: the golden's way)."""
-    from ..ops.defs.quant_matmul import EXACT_K
-
-    acc = torch.zeros(x_q.shape[0], w_q.shape[0], dtype=torch.float64)
-    for k in range(0, x_q.shape[1], EXACT_K):
-        acc += (x_q[:, k:k + EXACT_K].float() @ w_q[:, k:k + EXACT_K].float().T).double()
-    return acc.long()
 
 
 def run_gemm(rounds: int, json_path, png_path) -> int:

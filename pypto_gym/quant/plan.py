@@ -247,7 +247,7 @@ def install(model, state) -> QuantPlan:
     if on_cpu and backend in ("auto", "cpu"):
         plan.int8_gemm = ("torch._int_mm (oneDNN: int8 dot products)" if hardware.native_int8() else
                           f"the cpu kernels' int16 multiply-add GEMM ({hardware.best_isa()}: no int8 dot products)"
-                          if hardware.best_isa() != "generic" else "torch._int_mm (no fast path)")
+                          if hardware.best_isa() != "generic" else "the cpu kernels' int8 GEMM, scalar (no SIMD)")
     if on_cpu and backend in ("auto", "cpu") and not hardware.native_int8() and hardware.best_isa() == "generic":
         plan.speed_note = (f"this CPU ({hardware.cpu_model()}) has neither int8 dot-product instructions (VNNI, AMX) "
                            f"nor AVX2: its int8 GEMM has no fast path, so the int8 linears are exact but slower than "

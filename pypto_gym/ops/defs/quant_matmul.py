@@ -19,16 +19,21 @@ EXACT_K = 1024  # int8 products are at most 2**14 in magnitude: sums of 1024 of 
 MAX_K = 2 ** 17 - 1  # K * 128 * 128 must fit the int32 accumulator
 
 
-def quant_matmul(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
-    """W8A8 linear: (x_q @ w_q^T in int32) * x_scale[..., None] * w_scale (+ bias) as out_dtype.
-
-    The integer product is exact (as an int32 accumulator is): computed in fp32 over chunks of EXACT_K
-    columns, where every partial sum is an integer below 2**24, and summed in float64."""
-    K, N = x_q.shape[-1], w_q.shape[0]
-    x2 = x_q.reshape(-1, K)
-    acc = torch.zeros(x2.shape[0], N, dtype=torch.float64, device=x_q.device)
+def exact_product(x2, w_q) -> torch.Tensor:
+    """x2 int8 [M, K] @ w_q int8 [N, K]^T exactly, as float64 (as an int32 accumulator is): computed in fp32 over
+    chunks of EXACT_K columns, where every partial sum is an integer below 2**24, and summed in float64."""
+    K = x2.shape[-1]
+    acc = torch.zeros(x2.shape[0], w_q.shape[0], dtype=torch.float64, device=x2.device)
     for k in range(0, K, EXACT_K):
         acc += (x2[:, k:k + EXACT_K].to(torch.float32) @ w_q[:, k:k + EXACT_K].to(torch.float32).T).to(torch.float64)
+    return acc
+
+
+def quant_matmul(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
+    """W8A8 linear: (x_q @ w_q^T in int32) * x_scale[..., None] * w_scale (+ bias) as out_dtype, the integer
+    product exact (`exact_product`)."""
+    K, N = x_q.shape[-1], w_q.shape[0]
+    acc = exact_product(x_q.reshape(-1, K), w_q)
     y = acc.to(torch.float32) * x_scale.reshape(-1, 1).to(torch.float32) * w_scale.to(torch.float32)
     if bias is not None:
         y = y + bias.to(torch.float32)
@@ -55,18 +60,20 @@ QUANT_MATMUL = Op(quant_matmul, [
 
 def int32_gemm(x2, w_q, backend=None):
     """x2 int8 [M, K] @ w_q int8 [N, K]^T -> int32 [M, N], exact, by this CPU's fastest exact path (measured,
-    README "int8 GEMMs"): torch._int_mm (oneDNN) where the CPU has int8 dot products (VNNI, AMX); without them
-    oneDNN has no fast int8 path, and the cpu kernels' int16 multiply-add GEMM (quant_matmul.cpp, AVX2 or
-    AVX-512) runs instead; torch._int_mm again where neither (a generic build). `backend`: the cpu backend
-    whose kernels to use (default: the process's `cpu`)."""
-    if not hardware.native_int8():
-        if backend is None:
-            from ..registry import get
+    README "int8 GEMMs"): torch._int_mm (oneDNN) where the CPU has int8 dot products (VNNI, AMX). Without them
+    oneDNN has no fast exact int8 GEMM (capped at AVX2 its s8s8 path saturates: wrong sums), so it is never
+    used there: the cpu kernels' int16 multiply-add GEMM runs instead (quant_matmul.cpp: SIMD on AVX2 and
+    AVX-512, scalar on a generic build), or, where the kernels did not build, `exact_product`. `backend`: the
+    cpu backend whose kernels to use (default: the process's `cpu`)."""
+    if hardware.native_int8():
+        return torch._int_mm(x2, w_q.t())
+    if backend is None:
+        from ..registry import get
 
-            backend = get("cpu")
-        if backend.ext is not None and backend.isa != "generic":
-            return backend.ext.int8_gemm(x2, w_q)
-    return torch._int_mm(x2, w_q.t())
+        backend = get("cpu")
+    if backend.ext is not None:
+        return backend.ext.int8_gemm(x2, w_q)
+    return exact_product(x2, w_q).to(torch.int32)
 
 
 @QUANT_MATMUL.impl("cpu")
