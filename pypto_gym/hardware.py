@@ -69,12 +69,14 @@ def native_bf16() -> bool:
 def native_int8() -> bool:
     """True when the CPU has int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX) and oneDNN may use
     them: only then does torch._int_mm (oneDNN) run an exact int8 GEMM faster than a float one. oneDNN capped
-    below VNNI (ONEDNN_MAX_CPU_ISA=AVX2, ...) counts as none: its AVX2 s8s8 GEMM saturates int16 sums
+    below VNNI (ONEDNN_MAX_CPU_ISA=AVX2 or DNNL_MAX_CPU_ISA=AVX2, ...) counts as none: its AVX2 s8s8 GEMM saturates int16 sums
     (measured on torch 2.13: 127s x 127s over K=2048 gave 261120, not 33032192; 3.7% of the entries of
     quantised Gaussian rows wrong)."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    if cap and cap not in ("ALL", "DEFAULT") and not any(k in cap for k in ("VNNI", "AMX", "BF16", "FP16", "AVX10")):
-        return False
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # oneDNN honours both (DNNL_ is the older name)
+        cap = os.environ.get(name, "").strip().upper()
+        if cap and cap not in ("ALL", "DEFAULT") and not any(k in cap for k in ("VNNI", "AMX", "BF16", "FP16",
+                                                                                "AVX10")):
+            return False
     flags = cpu_flags()
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
 

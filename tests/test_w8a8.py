@@ -19,6 +19,8 @@ from pypto_gym.cli import main as cli_main
 from pypto_gym.inference import generate, open_image
 from pypto_gym.models.qwen2_5_vl import DOCUMENT_IMAGE, SAMPLE_IMAGE
 from pypto_gym.ops import OPS, registry
+from pypto_gym.ops.defs import quant_matmul
+from support import run_on
 from pypto_gym.ops.quantize import quantize_rows
 from pypto_gym.patching import PatchError
 from pypto_gym.quant import activations, calibration
@@ -49,8 +51,8 @@ def test_reference_integer_product_is_exact_past_fp32_range():
     x_q[0], w_q[0] = 127, torch.randint(100, 128, (16384,), generator=gen, dtype=torch.int8)  # sums near 2**28
     ones_m, ones_n = torch.ones(3), torch.ones(5)
     acc, _ = golden_matmul(x_q, w_q, ones_m, ones_n, None)
-    naive = x_q.float() @ w_q.float().T
-    assert not torch.equal(naive, acc.float())  # one fp32 accumulation over K loses bits that show after rounding
+    assert int(acc[0, 0]) > 2 ** 27  # past what an fp32 accumulator holds exactly (2**24): a plain fp32 matmul may
+    # or may not lose bits here (it did on AMD Zen 5, not on an AMX Xeon's MKL); the golden must not
     y = OPS["quant_matmul"].golden(x_q, w_q, ones_m, ones_n, None, torch.float32)
     assert torch.equal(y, acc.float())  # exactly the int32 result, rounded once to fp32
 
@@ -604,6 +606,7 @@ def test_a_cpu_without_int8_dot_products_runs_the_int16_kernel_with_the_same_log
     patch_model(model, backend="cpu", quant="w8a8")
     want = _logits(model, sample_inputs)
     monkeypatch.setattr(hardware, "native_int8", lambda: False)
+    monkeypatch.setattr(quant_matmul, "int_mm_is_exact", lambda: False)
     ext = registry.get("cpu").ext
     calls = []
     real = ext.int8_gemm
@@ -628,30 +631,62 @@ def test_a_cpu_without_int8_dot_products_runs_the_int16_kernel_with_the_same_log
     assert len(calls) == 51 - 8  # one GEMM per linear, one per MLP's gate + up
 
 
-def test_without_vnni_or_built_kernels_the_int32_gemm_is_still_exact(monkeypatch):
-    """No int8 dot products and no compiled kernels: not torch._int_mm (oneDNN's non-VNNI int8 path can saturate)
-    but the reference's exact fp32-chunked product, as int32."""
-    from types import SimpleNamespace
-
-    from pypto_gym import hardware
-
-    monkeypatch.setattr(hardware, "native_int8", lambda: False)
+def test_the_int32_gemm_golden_is_the_exact_integer_product(monkeypatch):
+    """Without the cpu kernels (or torch._int_mm) the merged gate/up GEMM is the golden's exact fp32-chunked
+    product, as int32: equal to the int64 product, also past the fp32 range."""
     monkeypatch.setattr(torch, "_int_mm", None)  # taking it would raise
     gen = torch.Generator().manual_seed(3)
     x, w = int8((5, 2100), gen), int8((7, 2100), gen)
-    got = ops.int32_gemm(x, w, SimpleNamespace(ext=None))
+    x[0], w[0] = 127, 127
+    got = ops.int32_gemm(x, w, backend="torch")
     assert got.dtype == torch.int32 and torch.equal(got.long(), x.long() @ w.long().T)
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_the_cpu_int32_gemm_is_exact_whichever_gemm_the_self_test_picked(monkeypatch, exact):
+    """cpu: torch._int_mm where its self-test passed, else the int16 multiply-add kernel; bit-equal either way."""
+    if exact and not quant_matmul.int_mm_is_exact():
+        pytest.skip("torch._int_mm is not exact here (no int8 dot products, or oneDNN capped)")
+    monkeypatch.setattr(quant_matmul, "int_mm_is_exact", lambda: exact)
+    gen = torch.Generator().manual_seed(4)
+    x, w = quant_matmul._saturation_probe()
+    for a, b in ((x, w), (int8((3, 37), gen), int8((9, 37), gen))):
+        got = run_on("cpu", OPS["int32_gemm"], (a, b))
+        assert torch.equal(got.long(), a.long() @ b.long().T)
+
+
+def test_a_saturating_int_mm_fails_the_self_test(monkeypatch):
+    """What oneDNN capped below VNNI does (DNNL_MAX_CPU_ISA=AVX2 on a VNNI CPU: int16 sums that saturate) fails the
+    one-time self-test, so torch._int_mm is never taken for the int8 linears, whatever the flags say."""
+    from pypto_gym import hardware
+
+    def saturating(a, b):
+        prods = (a.long().unsqueeze(1) * b.t().long().t().unsqueeze(0)).reshape(a.shape[0], b.shape[1], -1, 2)
+        return prods.sum(-1).clamp(-2 ** 15, 2 ** 15 - 1).sum(-1).to(torch.int32)  # vpmaddubsw's int16 pairs
+
+    monkeypatch.setattr(hardware, "native_int8", lambda: True)
+    monkeypatch.setattr(torch, "_int_mm", saturating)
+    quant_matmul.int_mm_is_exact.cache_clear()
+    try:
+        assert not quant_matmul.int_mm_is_exact()
+        assert "self-test" in quant_matmul.which_int32_gemm()
+    finally:
+        monkeypatch.undo()
+        quant_matmul.int_mm_is_exact.cache_clear()
+
+
+@pytest.mark.parametrize("variable", ["ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"])
 @pytest.mark.parametrize("cap,native", [("AVX2", False), ("avx512_core", False), ("SSE41", False),
                                        ("AVX512_CORE_VNNI", None), ("AVX512_CORE_AMX", None), ("ALL", None)])
-def test_onednn_capped_below_vnni_counts_as_no_int8_dot_products(monkeypatch, cap, native):
-    """oneDNN at ONEDNN_MAX_CPU_ISA=AVX2 runs a saturating s8s8 GEMM (wrong sums), so torch._int_mm is not taken;
-    a cap that keeps VNNI leaves the CPU's flags to decide."""
+def test_onednn_capped_below_vnni_counts_as_no_int8_dot_products(monkeypatch, cap, native, variable):
+    """oneDNN at ONEDNN_MAX_CPU_ISA=AVX2 (or its older name DNNL_MAX_CPU_ISA) runs a saturating s8s8 GEMM (wrong
+    sums), so torch._int_mm is not taken; a cap that keeps VNNI leaves the CPU's flags to decide."""
     from pypto_gym import hardware
 
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv(variable, cap)
     assert hardware.native_int8() is (True if native is None else native)
 
 
@@ -660,6 +695,7 @@ def test_a_cpu_without_int8_dot_products_or_avx2_is_told_once_at_patch_time(tiny
     from pypto_gym.quant import plan
 
     monkeypatch.setattr(hardware, "native_int8", lambda: False)
+    monkeypatch.setattr(quant_matmul, "int_mm_is_exact", lambda: False)
     monkeypatch.setattr(hardware, "best_isa", lambda: "generic")
     monkeypatch.setattr(plan, "_said", [])
     with pytest.warns(RuntimeWarning, match="neither int8 dot-product instructions"):
@@ -671,7 +707,7 @@ def test_a_cpu_without_int8_dot_products_or_avx2_is_told_once_at_patch_time(tiny
         warnings.simplefilter("error")  # the second patch in this process says it in its report only
         again = patch_model(copy.deepcopy(tiny_loaded[0]), backend="cpu", quant="w8a8")
     assert again.to_json()["w8a8"]["speed_note"]
-    monkeypatch.setattr(hardware, "native_int8", lambda: True)
+    monkeypatch.setattr(quant_matmul, "int_mm_is_exact", lambda: True)
     assert patch_model(copy.deepcopy(tiny_loaded[0]), backend="cpu", quant="w8a8").to_json()["w8a8"]["speed_note"] \
         is None
 

@@ -2,7 +2,7 @@
 
 gemm: every int8 GEMM torch ships for CPU, against bf16 `F.linear`, at decode (M=1) and prefill
 (M=512) for K=2048 and N in {2048, 11008} (GutenOCR-3B's q/o and gate/up), interleaved.
-Candidates: `ops.quant_matmul` on the cpu backend (its int32 GEMM is `ops.int32_gemm`'s pick for
+Candidates: `ops.quant_matmul` on the cpu backend (its int32 GEMM is the cpu `int32_gemm`'s pick for
 this CPU), the two int32 GEMMs it picks between with its epilogue (`torch._int_mm`; the cpu
 kernels' int16 multiply-add GEMM, for CPUs without VNNI), each checked against the exact integer
 product (a count of wrong sums, not only a time), oneDNN's `onednn.qlinear_pointwise` (inductor's int8 linear;
@@ -33,7 +33,7 @@ LLMC_LABEL = "llm-compressor SmoothQuant 0.5"  # its recipe on the bench's model
 LLMC_FIXTURE_LABEL = "llm-compressor (SmoothQuant 0.5)"  # tests/fixtures/llmcompressor_w8a8, text calibration
 DECODER_ONLY = "alpha 0.5, decoder only"  # ours in llm-compressor's scope: the vision tower and lm_head float
 DECODER_ONLY_FLOAT = "vision.*,text.lm_head"
-CPU_BACKEND = "cpu backend quant_matmul"  # ops.int32_gemm's pick for this CPU + the fused epilogue
+CPU_BACKEND = "cpu backend quant_matmul"  # the cpu int32_gemm's pick for this CPU + the fused epilogue
 GEMM_SHAPES = [(1, 2048, 2048), (1, 2048, 11008), (512, 2048, 2048), (512, 2048, 11008)]
 # The MLP's gate and up projections (M, K, I): decode, text prefill, a vision tower's worth of patches.
 GATE_UP_SHAPES = [(1, 2048, 11008), (512, 2048, 11008), (1024, 1280, 3420)]
@@ -66,8 +66,8 @@ def _gemm_candidates(M, K, N):
     from ..ops.registry import get
 
     ext = get("cpu").ext
-    gemms = {CPU_BACKEND: lambda: ops.int32_gemm(x_q, w_q), "_int_mm + epilogue": lambda: torch._int_mm(x_q, w_q.t())}
-    if ext is not None:  # the two int32 GEMMs ops.int32_gemm picks between, with the same epilogue
+    gemms = {CPU_BACKEND: lambda: ops.int32_gemm(x_q, w_q, backend="cpu"), "_int_mm + epilogue": lambda: torch._int_mm(x_q, w_q.t())}
+    if ext is not None:  # the two int32 GEMMs the cpu int32_gemm picks between, with the same epilogue
         gemms["int16 madd GEMM + epilogue"] = lambda: ext.int8_gemm(x_q, w_q)
         fns["_int_mm + epilogue"] = lambda: ext.dequant(torch._int_mm(x_q, w_q.t()), x_s, w_s, None, torch.bfloat16)
         fns["int16 madd GEMM + epilogue"] = lambda: ext.dequant(ext.int8_gemm(x_q, w_q), x_s, w_s, None, torch.bfloat16)

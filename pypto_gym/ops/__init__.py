@@ -9,7 +9,6 @@ to charge (a patched site passes its own; direct calls are charged to `GLOBAL_ST
 """
 from . import defs  # noqa: F401  (registers every op)
 from .args import ArgTypeError, ArgValueError, dtype_name
-from .defs.quant_matmul import int32_gemm
 from .dispatch import GLOBAL as GLOBAL_STATS
 from .dispatch import BackendFallbackError, Stats
 from .op import BoundCall, Op
@@ -20,4 +19,4 @@ OPS: dict = Op.registry
 globals().update({name: op.entry for name, op in OPS.items()})
 
 __all__ = [*OPS, "OPS", "Op", "BoundCall", "Stats", "GLOBAL_STATS", "BackendFallbackError", "ArgTypeError",
-           "ArgValueError", "pack_int4", "unpack_int4", "backend_names", "dtype_name", "int32_gemm"]
+           "ArgValueError", "pack_int4", "unpack_int4", "backend_names", "dtype_name"]

@@ -358,6 +358,13 @@ class BoundCall:
     def __call__(self, *free):
         return self._fast(self, free)
 
+    def traced(self, args):
+        """The call as torch.compile traces it: the custom op, its arguments checked by the fake kernel. It reads
+        no attribute that changes between calls (`_key`, the op's last validated call): dynamo guards on what a
+        traced function reads, so a per-call cache read here would recompile the graph for every new prompt."""
+        op = self.op
+        return op.from_custom(op.custom_op(*args, self.backend, self.stats.id), args)
+
     def slow(self, key, args):
         """A call of another kind than the last: the entry path (validation), remembered if it may go eager."""
         out = self.op.call(args, self.backend, self.stats)
@@ -393,11 +400,13 @@ def _fast_path(op: Op, bound: tuple):
               f"    {unpack} = free\n"
               f"    t = b._template\n"
               f"    args = ({args}{',' if len(bound) == 1 else ''})\n"
+              f"    if _compiling():\n"
+              f"        return b.traced(args)\n"
               f"    try:\n"
               f"        key = (_grad(), {', '.join(kind)})\n"
               f"    except AttributeError:  # not a tensor where one belongs: the entry path says which\n"
               f"        return b.slow(None, args)\n"
-              f"    if key == b._key and not _compiling():\n"
+              f"    if key == b._key:\n"
               f"        return _dispatch(b.op, b.backend, b.stats, args)\n"
               f"    return b.slow(key, args)\n")
     namespace = {"_grad": _is_grad_enabled, "_compiling": _is_compiling, "_dispatch": dispatch.call, "_sig": _sig}

@@ -17,6 +17,8 @@ view escapes the whole tensor too.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.utils._pytree import tree_map
 
@@ -107,9 +109,66 @@ class QuantRows(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
-def issue(q: torch.Tensor, scale: torch.Tensor, smooth, dtype, owner) -> QuantRows:
-    """The output of a quant op: int8 rows `q` [..., D], per-row `scale`, standing for q * scale * smooth."""
+class TracedRows(torch.Tensor):
+    """The hand-over while torch.compile traces: the same int8 rows and scales as a traceable tensor subclass
+    (`__tensor_flatten__`), so a compiled graph hands them to the linears exactly as eager does (same codes,
+    same tokens) and needs no guard on per-call state. It is made and consumed inside one graph: any op but
+    a consumer's read computes the float tensor it stands for; an in-place op on it is refused (the edit
+    would be lost, and eager's QuantRows would have seen it), never silently dropped."""
+
+    @staticmethod
+    def __new__(cls, q, scale, smooth, dtype, owner: int):
+        t = torch.Tensor._make_wrapper_subclass(cls, q.shape, strides=q.stride(), storage_offset=q.storage_offset(),
+                                                dtype=dtype, device=q.device, requires_grad=False)
+        t.q, t.scale, t.smooth, t.owner = q, scale, smooth, owner
+        return t
+
+    def __init__(self, q, scale, smooth, dtype, owner: int):
+        super().__init__()
+
+    def __repr__(self):
+        return f"TracedRows({tuple(self.shape)}, {self.dtype})"
+
+    def __tensor_flatten__(self):
+        return (["q", "scale"] if self.smooth is None else ["q", "scale", "smooth"]), (self.dtype, self.owner)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return TracedRows(inner["q"], inner["scale"], inner.get("smooth"), *ctx)
+
+    def value(self) -> torch.Tensor:
+        y = self.q.to(torch.float32) * self.scale.unsqueeze(-1)
+        return (y if self.smooth is None else y * self.smooth).to(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._schema.is_mutable and any(isinstance(a, TracedRows) for a in args):
+            raise RuntimeError(f"pypto-gym W8A8: {func} edits a norm's int8 output in place inside a torch.compile "
+                               f"graph; this is not supported (run eagerly, or patch without quant='w8a8')")
+
+        def unwrap(t):
+            return t.value() if isinstance(t, TracedRows) else t
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+def issue(q: torch.Tensor, scale: torch.Tensor, smooth, dtype, owner):
+    """The output of a quant op: int8 rows `q` [..., D], per-row `scale`, standing for q * scale * smooth; a
+    QuantRows eagerly, a TracedRows while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return TracedRows(q, scale, smooth, dtype, owner.key)
     return QuantRows(_Rows(q, scale, smooth, dtype, owner))
+
+
+def handed_over(x, owner):
+    """(q, scale) of the int8 rows `x` stands for if `owner` issued them and nothing else touched them, else None
+    (x is then a plain tensor, or rows that escaped: the caller quantises x's float values)."""
+    if type(x) is TracedRows:
+        return (x.q, x.scale) if x.owner == owner.key else None
+    if type(x) is QuantRows:
+        return x.handed_over(owner)
+    return None
 
 
 class Producer:
@@ -121,7 +180,10 @@ class Producer:
     consumers' weights scaled by it.
     """
 
+    _keys = itertools.count(1)
+
     def __init__(self, inv_smooth: torch.Tensor | None):
+        self.key = next(Producer._keys)  # what a TracedRows names its producer by (a graph holds no objects)
         self.inv_smooth = inv_smooth
         self.smooth = None if inv_smooth is None else 1.0 / inv_smooth.float()
         self.consumers: list[str] = []
@@ -133,15 +195,15 @@ class Producer:
                 "bypassed": dict(self.bypassed)}
 
     def count(self, reason: str) -> None:
-        self.bypassed[reason] = self.bypassed.get(reason, 0) + 1
+        """Count a call that could not hand its rows over (eager calls: a counter changed inside a compiled graph
+        would be a guard that recompiles it)."""
+        if not torch.compiler.is_compiling():
+            self.bypassed[reason] = self.bypassed.get(reason, 0) + 1
 
     def hand_over(self, q, scale, dtype, *hooked_modules) -> torch.Tensor:
-        """The rows as QuantRows for the consumers, or as the float tensor they stand for where a hand-over
-        could not be exact: in a traced graph (plain tensors only), or with hooks on the producer or a
-        consumer (they see, and may change, a real float tensor)."""
+        """The rows for the consumers (`issue`), or as the float tensor they stand for where a hand-over could not
+        be exact: with hooks on the producer or a consumer (they see, and may change, a real float tensor)."""
         y = issue(q, scale, self.smooth, dtype, self)
-        if torch.compiler.is_compiling():
-            return y.value()
         if any(has_hooks(m) for m in (*hooked_modules, *self.consumer_modules)):
             self.count("hooks on the producer or a consumer: float rows handed on")
             return y.value()

@@ -99,17 +99,18 @@ def quant_linear_forward(module, x):
                                f"this int8 linear's float weight {why}: there is no float path to run; switch it "
                                f"on, or load the float model")
         return ql.original(x)
-    got = None
-    if type(x) is activations.QuantRows:
-        got = x.handed_over(ql.source)
-        if got is None:
-            x = x.value()  # escaped, or another norm's rows: quantise the float values they stand for
+    got = None if ql.source is None else activations.handed_over(x, ql.source)
+    counted = not torch.compiler.is_compiling()  # a counter read inside a graph is a guard: eager calls only
     if got is None:
+        if isinstance(x, (activations.QuantRows, activations.TracedRows)):
+            x = x.value()  # escaped, or another norm's rows: quantise the float values they stand for
         q, scale = ops.dynamic_quant(x, ql.inv_smooth, backend=ql.backend, stats=ql.stats)
-        ql.quantized_here += 1
+        if counted:
+            ql.quantized_here += 1
     else:
         q, scale = got
-        ql.handed_over += 1
+        if counted:
+            ql.handed_over += 1
     return ops.quant_matmul(q, ql.w_q, scale, ql.w_scale, module.bias, out_dtype=x.dtype, backend=ql.backend,
                             stats=ql.stats)
 

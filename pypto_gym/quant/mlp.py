@@ -39,25 +39,27 @@ class QuantMlp(activations.Producer):
 
     def _handed_rows(self, module, x):
         """(q, scale) of the norm's int8 rows if the int32 path can take them exactly, else None."""
-        if self.merged is None or type(x) is not activations.QuantRows or x.device.type != "cpu":
+        if self.merged is None or x.device.type != "cpu":
             return None
-        if torch.compiler.is_compiling() or has_hooks(module.gate_proj) or has_hooks(module.up_proj):
-            return None  # a traced graph, or hooks that expect to see gate_proj's and up_proj's outputs
-        return x.handed_over(self.merged[2].source)
+        if has_hooks(module.gate_proj) or has_hooks(module.up_proj):
+            return None  # hooks that expect to see gate_proj's and up_proj's outputs
+        return activations.handed_over(x, self.merged[2].source)
 
     def forward(self, site, module, x):
         rows = self._handed_rows(module, x)
         if rows is not None:
             q, x_scale = rows
             w_q, w_scale, gate, up = self.merged
-            acc = ops.int32_gemm(q.reshape(-1, q.shape[-1]), w_q).reshape(*q.shape[:-1], w_q.shape[0])
+            acc = ops.int32_gemm(q.reshape(-1, q.shape[-1]), w_q, backend=gate.backend, stats=gate.stats)
+            acc = acc.reshape(*q.shape[:-1], w_q.shape[0])
             biases = (gate.module.bias, up.module.bias)
             bias = None if biases[0] is None else torch.cat(biases).detach()
             y, scale = ops.dequant_swiglu_quant(acc, w_scale, x_scale, bias, self.inv_smooth, activate_left=True,
                                                 backend=site.call.backend, stats=site.stats)
-            gate.handed_over += 1
-            up.handed_over += 1
-            self.int32_calls += 1
+            if not torch.compiler.is_compiling():  # a counter read inside a graph is a guard: eager calls only
+                gate.handed_over += 1
+                up.handed_over += 1
+                self.int32_calls += 1
             return module.down_proj(self.hand_over(y, scale, x.dtype))
         gate, up = module.gate_proj(x), module.up_proj(x)
         q, scale = ops.swiglu_dynamic_quant(gate, up, self.inv_smooth, cast_mode=site.cast_mode,

@@ -17,6 +17,7 @@ import warnings
 import torch
 
 from .. import hardware, models
+from ..ops.defs import quant_matmul
 from ..patching.mlp import MlpSite
 from ..patching.norm import NormSite
 from ..patching.site import part
@@ -245,10 +246,8 @@ def install(model, state) -> QuantPlan:
                 ql.release()
     on_cpu = any(ql.module.weight.device.type in ("cpu", "meta") for ql in plan.linears)
     if on_cpu and backend in ("auto", "cpu"):
-        plan.int8_gemm = ("torch._int_mm (oneDNN: int8 dot products)" if hardware.native_int8() else
-                          f"the cpu kernels' int16 multiply-add GEMM ({hardware.best_isa()}: no int8 dot products)"
-                          if hardware.best_isa() != "generic" else "the cpu kernels' int8 GEMM, scalar (no SIMD)")
-    if on_cpu and backend in ("auto", "cpu") and not hardware.native_int8() and hardware.best_isa() == "generic":
+        plan.int8_gemm = quant_matmul.which_int32_gemm()  # decided here, by a self-test of torch._int_mm where it could run
+    if on_cpu and backend in ("auto", "cpu") and not quant_matmul.int_mm_is_exact() and hardware.best_isa() == "generic":
         plan.speed_note = (f"this CPU ({hardware.cpu_model()}) has neither int8 dot-product instructions (VNNI, AMX) "
                            f"nor AVX2: its int8 GEMM has no fast path, so the int8 linears are exact but slower than "
                            f"the float model's")

@@ -8,6 +8,8 @@ one every backend follows. No gradient.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ... import hardware
@@ -58,32 +60,83 @@ QUANT_MATMUL = Op(quant_matmul, [
               {"R": (17,), "K": 16, "N": 8, "bias": None, "out_dtype": torch.float16}))
 
 
-def int32_gemm(x2, w_q, backend=None):
-    """x2 int8 [M, K] @ w_q int8 [N, K]^T -> int32 [M, N], exact, by this CPU's fastest exact path (measured,
-    README "int8 GEMMs"): torch._int_mm (oneDNN) where the CPU has int8 dot products (VNNI, AMX). Without them
-    oneDNN has no fast exact int8 GEMM (capped at AVX2 its s8s8 path saturates: wrong sums), so it is never
-    used there: the cpu kernels' int16 multiply-add GEMM runs instead (quant_matmul.cpp: SIMD on AVX2 and
-    AVX-512, scalar on a generic build), or, where the kernels did not build, `exact_product`. `backend`: the
-    cpu backend whose kernels to use (default: the process's `cpu`)."""
-    if hardware.native_int8():
-        return torch._int_mm(x2, w_q.t())
-    if backend is None:
-        from ..registry import get
+def int32_gemm(x_q, w_q):
+    """x_q int8 [M, K] @ w_q int8 [N, K]^T -> int32 [M, N], exact: the int32 accumulator of an int8 GEMM
+    (`exact_product`). The W8A8 MLP's merged gate/up GEMM, whose accumulator dequant_swiglu_quant takes."""
+    return exact_product(x_q, w_q).to(torch.int32)
 
-        backend = get("cpu")
-    if backend.ext is not None:
-        return backend.ext.int8_gemm(x2, w_q)
-    return exact_product(x2, w_q).to(torch.int32)
+
+INT32_GEMM = Op(int32_gemm, [
+    Tensor("x_q", "M K", (torch.int8,), gen="int8"),
+    Tensor("w_q", "N K", (torch.int8,), gen="int8"),
+], [Output("acc", kind="exact")], check=_k_in_range,
+    examples=({"M": 7, "K": 300, "N": 24}, {"M": 1, "K": 2048, "N": 64}, {"M": 33, "K": 16, "N": 8}))
+
+
+def _saturation_probe():
+    """int8 operands on which a GEMM that sums int8 products in int16 (oneDNN's s8s8 path capped below VNNI,
+    vpmaddubsw) returns wrong sums: 127 x 127 and -128 x -128 over K=2048, and random codes with the extremes."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-128, 128, (24, 2048), generator=gen, dtype=torch.int8)
+    w = torch.randint(-128, 128, (40, 2048), generator=gen, dtype=torch.int8)
+    x[0], w[0], x[1], w[1] = 127, 127, -128, -128
+    return x, w
+
+
+@functools.lru_cache(maxsize=1)
+def int_mm_is_exact() -> bool:
+    """Whether torch._int_mm gives exact int32 sums in this process, decided once by a self-test against the exact
+    product (not by flags alone: a oneDNN capped below VNNI, by ONEDNN_MAX_CPU_ISA or its older name
+    DNNL_MAX_CPU_ISA, saturates). Only asked where the CPU has int8 dot products, the one place it is fast."""
+    if not hardware.native_int8():
+        return False
+    x, w = _saturation_probe()
+    try:
+        got = torch._int_mm(x, w.t())
+    except (RuntimeError, TypeError):
+        return False
+    return torch.equal(got, exact_product(x, w).to(torch.int32))
+
+
+def fastest_int32_gemm(backend, x2, w_q):
+    """x2 @ w_q^T in int32, exact, by this CPU's fastest exact path (measured, docs "int8 GEMMs"): torch._int_mm
+    (oneDNN) where the CPU has int8 dot products and its self-test passed (`int_mm_is_exact`); otherwise the
+    cpu kernels' int16 multiply-add GEMM (quant_matmul.cpp: SIMD on AVX2 and AVX-512, scalar on a generic build)."""
+    if int_mm_is_exact():
+        return torch._int_mm(x2, w_q.t())
+    return backend.ext.int8_gemm(x2, w_q)
+
+
+def which_int32_gemm() -> str:
+    """What `fastest_int32_gemm` runs here, for the patch report."""
+    if int_mm_is_exact():
+        return "torch._int_mm (oneDNN: int8 dot products, self-tested exact)"
+    if hardware.native_int8():
+        return (f"the cpu kernels' int16 multiply-add GEMM ({hardware.best_isa()}): torch._int_mm failed its "
+                f"exactness self-test here (oneDNN capped below VNNI?)")
+    if hardware.best_isa() != "generic":
+        return f"the cpu kernels' int16 multiply-add GEMM ({hardware.best_isa()}: no int8 dot products)"
+    return "the cpu kernels' int8 GEMM, scalar (no SIMD)"
+
+
+@INT32_GEMM.impl("cpu")
+def _(backend, x_q, w_q):
+    return fastest_int32_gemm(backend, x_q, w_q)
+
+
+INT32_GEMM.not_on("npu", "int32_gemm is the CPU's merged gate/up GEMM; on the NPU each int8 linear runs "
+                         "npu_quant_matmul")
+INT32_GEMM.not_on("pypto", "int32_gemm is not provided: PyPTO 0.2.0's int8 pypto.matmul is not wired in yet")
 
 
 @QUANT_MATMUL.impl("cpu")
 def _(backend, x_q, w_q, x_scale, w_scale, bias, out_dtype):
-    """The exact int32 GEMM this CPU runs fastest (`int32_gemm`), then the golden's epilogue in its order as
+    """The exact int32 GEMM this CPU runs fastest (`fastest_int32_gemm`), then the golden's epilogue in its order as
     one C++ pass (quant_matmul.cpp). Chosen by measurement over torch's other int8 GEMMs (README, "int8
     GEMMs"): the fastest that takes int8 rows with per-row scales as they are and stays bit-identical to
     the golden."""
     K, N = x_q.shape[-1], w_q.shape[0]
-    acc = int32_gemm(x_q.reshape(-1, K), w_q, backend)
+    acc = fastest_int32_gemm(backend, x_q.reshape(-1, K), w_q)
     return backend.ext.dequant(acc, x_scale, w_scale, bias, out_dtype).reshape(*x_q.shape[:-1], N)
 
 
