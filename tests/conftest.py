@@ -3,9 +3,27 @@
 The suite runs strict (PYPTO_GYM_STRICT=1): a capability fallback or a kernel error raises, so a
 backend that silently did not run fails the test that used it. Tests about fallbacks opt out
 with the `lenient` fixture.
-"""
-import os
 
+The suite never touches the user's files (SPEC 12): it runs with a HOME of its own (so nothing lands
+in ~/.cache/pypto_gym, ~/.pypto, ~/ascend or any other dot-folder, in this process or the ones it
+starts) and a PYPTO_GYM_CACHE of its own, both in a folder made for the session and removed after it.
+The kernels are built into that cache once per session, at their first use. A developer who runs the
+suite often can keep a cache of the suite's own between runs: PYPTO_GYM_TEST_CACHE=DIR (never the
+user's cache). A test that must damage a cache damages a copy (tests/test_cpu_build.py).
+"""
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SESSION_DIR = Path(tempfile.mkdtemp(prefix="pypto_gym-tests-"))
+atexit.register(shutil.rmtree, SESSION_DIR, ignore_errors=True)
+os.environ["HOME"] = str(SESSION_DIR / "home")
+(SESSION_DIR / "home").mkdir()
+os.environ["PYPTO_GYM_CACHE"] = os.environ.get("PYPTO_GYM_TEST_CACHE", "").strip() or str(SESSION_DIR / "cache")
+for _var in ("TILE_FWK_OUTPUT_DIR", "PYPTO_HOME", "ASCEND_PROCESS_LOG_PATH"):  # set by pypto-gym per process
+    os.environ.pop(_var, None)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["PYPTO_GYM_STRICT"] = "1"
 os.environ.pop("USE_PTO_RMS_NORM", None)

@@ -20,17 +20,39 @@ def test_the_build_uses_the_ninja_this_package_depends_on(monkeypatch):
     assert os.environ["PATH"] == "/nonexistent"  # restored
 
 
-def test_a_stale_lock_from_a_killed_build_is_removed_not_waited_on():
-    """torch's FileBaton `lock` left by a killed build used to make every later first use hang."""
-    folder = cpu.build_dir(hardware.best_isa())
-    cpu.build(hardware.best_isa())  # make sure the kernels exist, so the run below only loads them
+def test_a_stale_lock_from_a_killed_build_is_removed_not_waited_on(tmp_path):
+    """torch's FileBaton `lock` left by a killed build used to make every later first use hang. The damage is
+    done to a copy of the built kernels in a cache of the test's own: the suite's cache, which other tests and
+    their processes use, is never the one damaged."""
+    isa = hardware.best_isa()
+    cpu.build(isa)  # make sure the kernels exist, so the run below only loads them
+    built = cpu.build_dir(isa)
+    folder = tmp_path / "cache" / built.name
+    shutil.copytree(built, folder)
     (folder / cpu.COMPLETE).unlink()  # a killed build never wrote its completion mark
     (folder / "lock").write_text("")
     code = "from pypto_gym.ops import registry; print(registry.get('cpu').unavailable_reason())"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYPTO_GYM_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stderr
     assert "left by a build that was killed" in proc.stderr
     assert not (folder / "lock").exists()
+    assert (built / cpu.COMPLETE).is_file() and not (built / "lock").exists()  # the suite's own build untouched
+
+
+def test_the_suite_runs_in_a_home_and_a_cache_of_its_own():
+    """Nothing the tests run reads or writes the user's ~/.cache/pypto_gym or ~/.pypto (conftest.py)."""
+    from pathlib import Path
+
+    from conftest import SESSION_DIR
+    from pypto_gym import config
+
+    assert Path.home() == SESSION_DIR / "home"
+    cache = config.cache_dir()
+    assert cache == SESSION_DIR / "cache" or os.environ.get("PYPTO_GYM_TEST_CACHE")
+    code = "from pathlib import Path; from pypto_gym import config; print(Path.home(), config.cache_dir())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == [str(SESSION_DIR / "home"), str(cache)]  # and the processes tests start
 
 
 def test_builds_are_keyed_by_instruction_set_and_refused_on_a_cpu_without_it(monkeypatch):

@@ -72,8 +72,20 @@ def check_version() -> str:
     return version
 
 
+OUTPUT_VARIABLES = ("TILE_FWK_OUTPUT_DIR", "PYPTO_HOME", "ASCEND_PROCESS_LOG_PATH")  # where PyPTO writes
+
+
 def import_pypto():
-    """Import pypto without letting it reconfigure the application's root logger."""
+    """Import pypto without letting it write into the user's home or reconfigure the root logger.
+
+    `import pypto` itself writes a run record to $PYPTO_HOME (default ~/.pypto/run) and logs to
+    $ASCEND_PROCESS_LOG_PATH (default ~/ascend/log): all of PyPTO's output directories point at this
+    process's scratch folder first. Always this process's: the estimate is read from the newest run under
+    it, so a folder inherited from the environment (a parent pypto-gym process's, as bench pypto's worker
+    processes had) made PyPTO write elsewhere and every run "left no cost-model output"."""
+    scratch = str(scratch_dir())
+    for var in OUTPUT_VARIABLES:
+        os.environ[var] = scratch
     root = logging.getLogger()
     level, handlers = root.level, list(root.handlers)
     import pypto
@@ -179,13 +191,7 @@ def apply() -> None:
     global _applied
     if _applied:
         return
-    check_version()
-    scratch = scratch_dir()
-    # Always this process's scratch: the estimate is read from the newest run under it, so a folder
-    # inherited from the environment (a parent pypto-gym process's, as bench pypto's worker processes
-    # had) made PyPTO write elsewhere and every run "left no cost-model output".
-    for var in ("TILE_FWK_OUTPUT_DIR", "PYPTO_HOME", "ASCEND_PROCESS_LOG_PATH"):
-        os.environ[var] = str(scratch)
+    check_version()  # imports pypto (import_pypto: its output directories in this process's scratch)
     from pypto import _utils
     from pypto.frontend.parser import entry
 
