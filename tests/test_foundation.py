@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pypto_gym import models
+from pypto_gym.cli import main as cli_main
 from pypto_gym.models.qwen2_5_vl import GUTENOCR_CONFIG, load, random_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,3 +84,30 @@ def test_every_subpackage_is_installed_by_a_normal_install():
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(root).parts) for p in (root / "pypto_gym").rglob("__init__.py")}
     assert found <= listed, sorted(found - listed)
+
+
+@pytest.mark.parametrize("name", [f.NAME for f in models.tiny_families()])
+def test_every_shipped_tiny_checkpoint_names_its_architecture(name, tmp_path):
+    """vLLM reads `architectures` to pick the model class (without it a checkpoint is served as a pooling model):
+    every shipped config names the class transformers builds from it, and make-tiny-model writes exactly the
+    shipped config and weights."""
+    family = models.FAMILIES[name]
+    shipped = json.loads((family.TINY_DIR / "config.json").read_text())
+    model, _ = family.load(family.TINY_DIR, "bfloat16")
+    assert shipped.get("architectures") == [type(model).__name__]
+    if family.MULTIMODAL:
+        return  # its builder also renders the sample images: the text families show the rule
+    assert cli_main(["make-tiny-model", "--family", name, "--out", str(tmp_path / "tiny")]) == 0
+    for f in ("config.json", "model.safetensors"):
+        assert (tmp_path / "tiny" / f).read_bytes() == (family.TINY_DIR / f).read_bytes(), f
+
+
+def test_make_tiny_model_refuses_a_non_empty_out(tmp_path, capsys):
+    """An export (or any other folder) named as --out is not overwritten into a mix of two models."""
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "model.safetensors").write_bytes(b"an export")
+    assert cli_main(["make-tiny-model", "--family", "qwen3", "--out", str(tmp_path / "export")]) == 2
+    err = capsys.readouterr().err
+    assert "--out:" in err and "is not empty" in err and "--force" in err
+    assert (tmp_path / "export" / "model.safetensors").read_bytes() == b"an export"
+    assert cli_main(["make-tiny-model", "--family", "qwen3", "--out", str(tmp_path / "export"), "--force"]) == 0

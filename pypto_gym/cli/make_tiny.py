@@ -14,6 +14,7 @@ def add_parser(sub):
     p.add_argument("--family", default=models.DEFAULT.NAME, choices=names)
     p.add_argument("--out", type=Path, help="directory (default: the family's checkpoint in modeling/)")
     p.add_argument("--seed", type=common.NON_NEGATIVE, default=0)
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out")
     p.set_defaults(func=run)
 
 
@@ -22,6 +23,12 @@ def run(args) -> int:
 
     family = models.FAMILIES[args.family]
     out = args.out or family.TINY_DIR
+    if out.exists() and not out.is_dir():
+        raise common.UserError(f"--out: {out} is a file; expected a directory")
+    foreign = out.is_dir() and any(out.iterdir()) and out.resolve() != family.TINY_DIR.resolve()
+    if foreign and not args.force:  # an export or another checkpoint would be left a mix of two models
+        raise common.UserError(f"--out: {out} is not empty; expected a new or empty directory (or --force to "
+                                f"write the tiny checkpoint's files into it)")
     family.build_tiny(out, args.seed)
     print(f"wrote {out}")
     return 0

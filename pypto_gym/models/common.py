@@ -144,6 +144,7 @@ def build_text_tiny(out: Path, config_cls, config: dict, special_tokens: list[st
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special_tokens}
     cfg = config_cls(vocab_size=len(tokenizer), eos_token_id=ids[eos], pad_token_id=ids[pad], bos_token_id=ids[pad],
                      **config)
+    cfg.architectures = [model_cls.__name__]  # without it vLLM takes the checkpoint for a pooling model
     cfg.save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": ids[pad], "eos_token_id": ids[eos], "pad_token_id": ids[pad], "do_sample": False},
