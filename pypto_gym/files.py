@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 
-def _umask() -> int:
+def umask() -> int:
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -36,7 +36,12 @@ def _mode_for(target: Path) -> int:
     try:
         return stat.S_IMODE(target.stat().st_mode)
     except OSError:
-        return 0o666 & ~_umask()
+        return new_file_mode()
+
+
+def new_file_mode() -> int:
+    """The mode a plain open(path, "w") gives a new file: 0o666 minus the umask."""
+    return 0o666 & ~umask()
 
 
 @contextlib.contextmanager

@@ -86,7 +86,8 @@ def test_pypto_gym_loads_the_export_onto_the_fused_kernels_with_equal_logits(exp
     assert fam is family
     assert torch.equal(_logits(loaded, _inputs(loaded_processor, family)), ours)
     q = report.to_json()["w8a8"]
-    assert q["summary"]["int8"] == 51 and q["summary"]["fallbacks"] == 0
+    assert q["summary"]["int8"] == 50 and q["summary"]["linears"] == 51 and q["summary"]["fallbacks"] == 0
+    assert quant_linear_of(loaded.get_submodule("lm_head")) is None  # float, as written
     stored = [p for p in wrote["int8"] if quant_linear_of(loaded.get_submodule(p)).stored]
     assert len(stored) == 50 and all(loaded.get_submodule(p).weight.is_meta for p in stored)  # no float copy
     with pytest.raises(PatchError, match="loaded from an int8 checkpoint: there are no float weights"):
@@ -117,6 +118,98 @@ def test_a_text_family_round_trips(tmp_path):
     export.save(model, tmp_path / "q3", processor)
     loaded, loaded_processor, _, _ = export.load(tmp_path / "q3", backend="cpu")
     assert torch.equal(_logits(loaded, _inputs(loaded_processor, family)), ours)
+
+
+@pytest.mark.parametrize("fmt", export.FORMATS)
+def test_an_int8_lm_head_is_written_only_on_request_and_says_who_loads_it(tmp_path, capsys, fmt):
+    """Default: lm_head float, in `ignore` (vLLM's ParallelLMHead is never quantised). --int8-lm-head on the
+    untied tiny Llama writes its int8 weight and scale, says which consumers load it, and loads back int8."""
+    out = tmp_path / "default"
+    assert cli_main(["export", "--model", str(models.FAMILIES["llama"].TINY_DIR), "--format", fmt, str(out)]) == 0
+    assert "lm_head float (in the ignore list" in capsys.readouterr().out
+    if fmt == "compressed-tensors":
+        assert "lm_head" in json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    else:
+        assert json.loads((out / export.MSMODELSLIM_JSON).read_text())["lm_head.weight"] == "FLOAT"
+    out = tmp_path / "int8"
+    assert cli_main(["export", "--model", str(models.FAMILIES["llama"].TINY_DIR), "--format", fmt, "--int8-lm-head",
+                     str(out)]) == 0
+    said = capsys.readouterr().out
+    assert f"lm_head int8 (--int8-lm-head: {export.LM_HEAD_CONSUMERS[fmt]})" in said
+    assert ("vLLM refuses it" if fmt == "compressed-tensors" else "vllm-ascend quantises") in said
+    weights = out / ("model.safetensors" if fmt == "compressed-tensors" else export.MSMODELSLIM_WEIGHTS)
+    assert load_file(str(weights))["lm_head.weight"].dtype == torch.int8
+    loaded, _, _, report = export.load(out, backend="cpu")
+    assert quant_linear_of(loaded.get_submodule("lm_head")).stored
+    assert report.to_json()["w8a8"]["summary"]["int8"] == 29
+
+
+def test_an_interrupted_or_failed_export_leaves_nothing(tmp_path, monkeypatch):
+    """Everything is staged in a folder beside OUT_DIR and renamed at the end: Ctrl-C after the weights were
+    written, or a full disk, leaves no config.json without its quantization_config (which transformers loads as a
+    float model of int8 codes), no staging folder, and a rerun works."""
+    import errno
+
+    from pypto_gym.models.common import TextProcessor
+
+    family = models.FAMILIES["qwen3"]
+    model, processor = family.load(family.TINY_DIR, "float32", "cpu")
+    patch_model(model, backend="cpu", quant="w8a8")
+    for error in (KeyboardInterrupt(), OSError(errno.ENOSPC, "No space left on device"), RuntimeError("disk")):
+        def fail(self, out, error=error):
+            raise error
+        monkeypatch.setattr(TextProcessor, "save_pretrained", fail)
+        with pytest.raises((KeyboardInterrupt, OSError)) as got:
+            export.save(model, tmp_path / "out", processor)
+        if isinstance(error, RuntimeError):  # safetensors' and transformers' own errors become one OSError line
+            assert "writing" in str(got.value) and "nothing written" in str(got.value)
+        assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    (tmp_path / "out").mkdir()  # an empty folder the user made is taken
+    export.save(model, tmp_path / "out", processor)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "out").iterdir()}
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert set(modes.values()) == {0o666 & ~umask}, modes  # the weights file too (save_pretrained wrote it 0600)
+
+
+@pytest.mark.parametrize("out,needle", [("missing/parent/out", "does not exist (create it first)"),
+                                        ("afile", "is a file"), ("full", "exists and is not empty"),
+                                        ("ro/out", "cannot write in")])
+def test_cli_export_refuses_an_unusable_out_before_loading(tmp_path, capsys, monkeypatch, out, needle):
+    import os
+
+    from pypto_gym.cli import common
+
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    (tmp_path / "ro").mkdir()
+    os.chmod(tmp_path / "ro", 0o555)
+    monkeypatch.setattr(common, "load_model", lambda *a: pytest.fail("loaded a model before refusing OUT_DIR"))
+    try:
+        if out == "ro/out" and os.access(tmp_path / "ro", os.W_OK):
+            pytest.skip("running as a user who can write into a 0555 folder")
+        assert cli_main(["export", str(tmp_path / out)]) == 2
+    finally:
+        os.chmod(tmp_path / "ro", 0o755)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "out: " in err and needle in err, err
+    assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.parametrize("value,needle", [("", "expected comma-separated globs"), (",", "expected comma-separated"),
+                                          ("!text.q_proj", "'!' exclusions are not supported here")])
+def test_float_linears_that_name_nothing_are_refused(capsys, value, needle):
+    assert cli_main(["export", "--float-linears", value, "/nonexistent/x"]) == 2
+    assert f"--float-linears: got {value!r}" in capsys.readouterr().err
+    assert cli_main(["infer", "--use_pto", "--quant", "w8a8", "--float-linears", value]) == 2
+    assert needle in capsys.readouterr().err
+    with pytest.raises(ValueError, match=needle):
+        patch_model(models.load(None, "float32")[0], backend="cpu", quant="w8a8", float_linears=value)
 
 
 def _damaged(src, tmp_path, edit, weights="model.safetensors", description="config.json"):
@@ -187,8 +280,9 @@ def test_cli_export_of_a_calibrated_model(tmp_path, capsys):
     assert cli_main(["calibrate", "--max-new-tokens", "1", "--prompt", "Read the text.", "--out", str(calib)]) == 0
     assert cli_main(["export", "--format", "msmodelslim", "--calibration", str(calib), str(tmp_path / "ms")]) == 0
     said = capsys.readouterr().out.split("msmodelslim checkpoint written to")[1]
-    assert "51 int8 linears" in said and "smoothing folded into the weights, lm_head written untied" in said
-    assert json.loads((tmp_path / "ms" / "config.json").read_text())["tie_word_embeddings"] is False
+    assert "50 int8 linears" in said and "smoothing folded into the weights" in said
+    assert "lm_head float (in the ignore list: what vLLM and vllm-ascend load)" in said
+    assert json.loads((tmp_path / "ms" / "config.json").read_text())["tie_word_embeddings"] is True
 
 
 @pytest.fixture(scope="module")
@@ -241,12 +335,11 @@ def test_a_smoothed_export_folds_every_smooth_scale_into_what_writes_its_rows(sm
     assert torch.equal(t["model.visual.merger.ln_q.weight"], float_state["model.visual.merger.ln_q.weight"] *
                        mlp0.inv_smooth[:D])
     assert quant_linear_of(model.get_submodule("model.visual.merger.mlp.2")).inv_smooth is None  # after GELU
-    # the final norm is smoothed, so the tied lm_head (which reads its rows) is written untied, int8
-    assert wrote["untied"] == ["lm_head"] and "lm_head" not in wrote["ignore"]
-    lm = quant_linear_of(model.get_submodule("lm_head"))
-    assert torch.equal(t["lm_head.weight"], lm.w_q)
-    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
-    assert model.config.tie_word_embeddings is True  # the model in memory is as it was
+    # the final norm hands nothing over (it is not smoothed): the tied lm_head stays the embedding's float table
+    final = "model.language_model.norm.weight"
+    assert torch.equal(t[final], float_state[final]) and "lm_head.weight" not in t
+    assert wrote["lm_head"] == "float" and "lm_head" in wrote["ignore"]
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
 
 
 def test_a_smoothed_export_runs_the_smoothed_model(smoothed):
@@ -259,7 +352,7 @@ def test_a_smoothed_export_runs_the_smoothed_model(smoothed):
     loaded, loaded_processor, _, report = export.load(out, backend="cpu")
     batch = _inputs(loaded_processor, family)
     back = _logits(loaded, batch)
-    assert report.to_json()["w8a8"]["summary"]["int8"] == 51 and report.to_json()["w8a8"]["summary"]["loaded_int8"] == 51
+    assert report.to_json()["w8a8"]["summary"]["int8"] == 50 and report.to_json()["w8a8"]["summary"]["loaded_int8"] == 50
     hf = _logits(AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32), batch)
     live = ours.abs().amax(-1) > 0
     for got, bound in ((back, 0.9999), (hf, 0.9995)):  # W8A8 itself is 0.9997 from the float model
@@ -271,8 +364,8 @@ def test_a_smoothed_msmodelslim_export_holds_the_same_folded_model(smoothed, tmp
     model, processor, family, _, out, _, _ = smoothed
     export.save(model, tmp_path / "ms", processor, "msmodelslim")
     desc = json.loads((tmp_path / "ms" / "quant_model_description.json").read_text())
-    assert desc["lm_head.weight"] == "W8A8_DYNAMIC" and json.loads((tmp_path / "ms" / "config.json").read_text())[
-        "tie_word_embeddings"] is False
+    assert "lm_head.weight" not in desc and desc["model.language_model.embed_tokens.weight"] == "FLOAT"  # tied, float
+    assert json.loads((tmp_path / "ms" / "config.json").read_text())["tie_word_embeddings"] is True
     ms, ms_processor, _, _ = export.load(tmp_path / "ms", backend="cpu")
     ct, ct_processor, _, _ = export.load(out, backend="cpu")
     assert torch.equal(_logits(ms, _inputs(ms_processor, family)), _logits(ct, _inputs(ct_processor, family)))
@@ -401,7 +494,7 @@ def test_the_msmodelslim_export_loads_back_with_equal_logits(msmodelslim):
     model, processor, family, ours, out = msmodelslim
     loaded, loaded_processor, _, report = export.load(out, backend="cpu")
     assert torch.equal(_logits(loaded, _inputs(loaded_processor, family)), ours)
-    assert report.to_json()["w8a8"]["summary"]["int8"] == 51
+    assert report.to_json()["w8a8"]["summary"]["int8"] == 50
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -425,7 +518,7 @@ def test_infer_runs_an_export_and_other_commands_refuse_one(tmp_path, capsys):
     assert cli_main(["export", str(out), "--format", "msmodelslim"]) == 0
     assert cli_main(["infer", "--model", str(out), "--use_pto", "--quant", "w8a8", "--max-new-tokens", "2"]) == 0
     printed = capsys.readouterr().out
-    assert "W8A8: 51/51 linears int8" in printed and "loaded from an int8 checkpoint as stored" in printed
+    assert "W8A8: 50/51 linears int8" in printed and "loaded from an int8 checkpoint as stored" in printed
     assert "fallbacks=0" in printed
     for argv, message in [(["infer", "--model", str(out)], "is a msmodelslim W8A8 checkpoint (int8 weights, no float "
                                                             "ones); run it with --use_pto --quant w8a8"),

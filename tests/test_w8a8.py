@@ -165,7 +165,8 @@ def _check_rows_quantised(q, scale, x, what):
 def test_every_int8_linear_does_the_int8_math(tiny_loaded, sample_inputs, calib_file, monkeypatch, smoothed,
                                               backend):
     model = copy.deepcopy(tiny_loaded[0]).float()  # fp32 outputs: the 1e-5 check is not hidden by a bf16 cast
-    report = patch_model(model, backend=backend, quant="w8a8", calibration=calib_file if smoothed else None)
+    report = patch_model(model, backend=backend, quant="w8a8", calibration=calib_file if smoothed else None,
+                         int8_lm_head=True)
     seen = {}
     real = quant_linear.ops.quant_matmul
 
@@ -182,12 +183,13 @@ def test_every_int8_linear_does_the_int8_math(tiny_loaded, sample_inputs, calib_
     _logits(model, sample_inputs)
     for h in handles:
         h.remove()
-    assert len(qls) == 51  # every linear: 33 fed by the norms (lm_head too), 8 down_proj by the MLPs, 10 by themselves
+    assert len(qls) == 51  # every linear: 32 fed by the norms, 8 down_proj by the MLPs, 11 by themselves (lm_head)
     for ql in qls:
         x_q, x_scale, bias, y = seen[id(ql.w_q)]
         x = inputs_seen[ql.path].float()
         inv = torch.ones(x.shape[-1]) if ql.inv_smooth is None else ql.inv_smooth
-        assert (ql.inv_smooth is not None) == (smoothed and not ql.path.endswith("merger.mlp.2"))  # after GELU: no
+        unsmoothed = ql.path.endswith("merger.mlp.2") or ql.path == "lm_head"  # after GELU; one row at decode
+        assert (ql.inv_smooth is not None) == (smoothed and not unsmoothed)
         _check_rows_quantised(x_q, x_scale, x * inv, f"{ql.path} activations")
         w = ql.module.weight.detach().double()
         s = torch.ones(w.shape[1]) if ql.inv_smooth is None else 1 / ql.inv_smooth.float()
@@ -199,11 +201,12 @@ def test_every_int8_linear_does_the_int8_math(tiny_loaded, sample_inputs, calib_
 
 def test_norm_fed_linears_take_the_norms_int8_rows_in_generate(tiny_loaded):
     model = copy.deepcopy(tiny_loaded[0])
-    report = patch_model(model, backend="cpu", quant="w8a8")
+    report = patch_model(model, backend="cpu", quant="w8a8", int8_lm_head=True)
     processor = tiny_loaded[1]
     generate(model, processor, ["Read the text in the image."], [open_image(SAMPLE_IMAGE)], 4)  # inference_mode
     rows = {r["path"]: r for r in report.to_json()["w8a8"]["linears"] if r["became"] == "w8a8"}
-    assert rows["lm_head"]["handed_over"] == rows["lm_head"]["calls"] == 4  # a slice of the last position
+    assert rows["lm_head"]["quantized_here"] == rows["lm_head"]["calls"] == 4  # the last position's row only
+    assert rows["lm_head"]["input"].startswith("quantised per row here")
     for path, r in rows.items():
         if r["input"].startswith("quantised per row here"):  # o_proj, attn.proj, the merger's (4 rows regrouped)
             assert r["quantized_here"] == r["calls"] >= 1 and r["handed_over"] == 0, path
@@ -229,7 +232,7 @@ def test_rotary_and_mlp_sites_run_their_ops_in_w8a8(tiny_loaded, sample_inputs):
 def test_weight_bytes_count_a_tied_lm_head_as_kept(tiny_loaded):
     model = copy.deepcopy(tiny_loaded[0])
     assert model.lm_head.weight is model.get_input_embeddings().weight  # the embedded checkpoint ties them
-    q = patch_model(model, backend="cpu", quant="w8a8").to_json()["w8a8"]
+    q = patch_model(model, backend="cpu", quant="w8a8", int8_lm_head=True).to_json()["w8a8"]
     rows = {r["path"]: r for r in q["linears"] if r["became"] == "w8a8"}
     assert rows["lm_head"]["float_weight_shared"] and not any(r["float_weight_shared"] for p, r in rows.items()
                                                               if p != "lm_head")
@@ -341,6 +344,7 @@ def test_calibration_is_deterministic_and_follows_the_smoothquant_formula(tiny_l
     model = tiny_loaded[0]
     expected = {p: m.weight.shape[0] for p, m in model.named_modules() if p.endswith(("norm", "norm1", "norm2",
                                                                                        "layernorm"))}
+    del expected["model.language_model.norm"]  # the final norm hands no rows over: no linear to smooth for
     mlps = {p: m.down_proj.in_features for p, m in model.named_modules() if hasattr(m, "down_proj")}
     own = {p: m.in_features for p, m in own_input_linears(model) if not p.endswith("merger.mlp.2")}
     assert len(mlps) == 8 and len(own) == 9  # 4 o_proj, 4 vision attn.proj, the merger's mlp.0 (mlp.2: after GELU)
@@ -383,23 +387,23 @@ def test_calibration_is_deterministic_and_follows_the_smoothquant_formula(tiny_l
 
 
 @pytest.mark.parametrize("damage,match", [
-    ("nan", r"tensor 'model.language_model.norm.smooth_scale' has 1 values that are not finite and positive"),
-    ("zero", r"'model.language_model.norm.smooth_scale' has 1 values that are not finite and positive"),
-    ("wrong_d", r"tensor 'model.language_model.norm.smooth_scale' is float32 \[64\]; expected float32 \[128\]"),
+    ("nan", r"tensor 'model.language_model.layers.1.input_layernorm.smooth_scale' has 1 values that are not finite and positive"),
+    ("zero", r"'model.language_model.layers.1.input_layernorm.smooth_scale' has 1 values that are not finite and positive"),
+    ("wrong_d", r"tensor 'model.language_model.layers.1.input_layernorm.smooth_scale' is float32 \[64\]; expected float32 \[128\]"),
     ("extra", r"tensor 'model.other.norm.smooth_scale' names no norm, MLP or linear this model quantises"),
-    ("missing", r"no tensor 'model.language_model.norm.smooth_scale' for model.language_model.norm \(1 of 34 "
-                r"smooth scales missing"),
-    ("fp16", r"'model.language_model.norm.smooth_scale' is float16 \[128\]"),
+    ("missing", r"no tensor 'model.language_model.layers.1.input_layernorm.smooth_scale' for "
+                r"model.language_model.layers.1.input_layernorm \(1 of 33 smooth scales missing"),
+    ("fp16", r"'model.language_model.layers.1.input_layernorm.smooth_scale' is float16 \[128\]"),
     ("not_safetensors", "not a safetensors file"),
     ("format", "metadata format None"),
     ("format 2", r"metadata format 'pypto_gym-smoothquant-2'; .*\(format 2 gave scales a checkpoint cannot hold "
                  r"\(o_proj per query head, the merger's mlp.2\): run scripts/calibrate.py again\)"),
-    ("tiny 1e-40", r"'model.language_model.norm.smooth_scale' channel 3: smooth scale 1e-40 has no normal float32 "
+    ("tiny 1e-40", r"'model.language_model.layers.1.input_layernorm.smooth_scale' channel 3: smooth scale 1e-40 has no normal float32 "
                    r"reciprocal"),
-    ("tiny 1.4e-45", r"'model.language_model.norm.smooth_scale' channel 3: smooth scale 1.4e-45 has no normal"),
-    ("huge 3.4e38", r"'model.language_model.norm.smooth_scale' channel 3: smooth scale 3.4e\+38 has no normal "
+    ("tiny 1.4e-45", r"'model.language_model.layers.1.input_layernorm.smooth_scale' channel 3: smooth scale 1.4e-45 has no normal"),
+    ("huge 3.4e38", r"'model.language_model.layers.1.input_layernorm.smooth_scale' channel 3: smooth scale 3.4e\+38 has no normal "
                     r"float32 reciprocal"),
-    ("one channel 1e-10", r"'model.language_model.norm.smooth_scale' channel 3: smooth scale 1e-10 makes its max/min "
+    ("one channel 1e-10", r"'model.language_model.layers.1.input_layernorm.smooth_scale' channel 3: smooth scale 1e-10 makes its max/min "
                           r".* above the bound of 100000"),
     ("one channel 1e10", r"channel 3: smooth scale 1e\+10 makes its max/min"),
     ("model_type", r"metadata model_type 'llama'; this model is 'qwen2_5_vl'"),
@@ -410,7 +414,7 @@ def test_bad_calibration_files_are_refused_naming_the_tensor(tiny_loaded, calib_
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(calib_file)
-    key = "model.language_model.norm.smooth_scale"
+    key = "model.language_model.layers.1.input_layernorm.smooth_scale"
     info = {"format": calibration.FORMAT, "alpha": 0.5, "model_type": "qwen2_5_vl"}
     extreme = {"tiny 1e-40": 1e-40, "tiny 1.4e-45": 1.4e-45, "huge 3.4e38": 3.4e38, "one channel 1e-10": 1e-10,
                "one channel 1e10": 1e10}
@@ -462,7 +466,7 @@ def test_missing_calibration_file_is_a_one_line_cli_error(tmp_path, capsys):
 # ---- capture -----------------------------------------------------------------------------------
 def test_capture_in_w8a8_mode_records_quant_cases_that_pass_on_cpu(tiny_loaded, calib_file, tmp_path):
     model = copy.deepcopy(tiny_loaded[0])
-    patch_model(model, backend="cpu", quant="w8a8", calibration=calib_file)
+    patch_model(model, backend="cpu", quant="w8a8", calibration=calib_file, int8_lm_head=True)
     with ShapeRecorder(model) as rec:
         generate(model, tiny_loaded[1], ["Read the text in the image."], [open_image(SAMPLE_IMAGE)], 2)
     out = tmp_path / "w8a8.json"
@@ -471,12 +475,13 @@ def test_capture_in_w8a8_mode_records_quant_cases_that_pass_on_cpu(tiny_loaded, 
     ops_seen = {c["op"] for c in cases}
     # rms_norm: the merger's ln_q (its linear reads regrouped rows); quant_matmul: every int8 linear's real shapes
     assert {"rms_norm", "rms_norm_dynamic_quant", "add_rms_norm_dynamic_quant", "dequant_swiglu_quant",
-            "dynamic_quant", "quant_matmul"} <= ops_seen
+            "dynamic_quant", "quant_matmul", "int32_gemm"} <= ops_seen
     matmuls = [c for c in cases if c["op"] == "quant_matmul"]
     assert {tuple(c["args"][1].shape) for c in matmuls} >= {(128, 128), (640, 128)}  # q_proj's and lm_head's weights
     assert {"text.q_proj", "text.lm_head", "vision.qkv", "vision.mlp.0"} <= {s for c in matmuls for s in c["sites"]}
-    quant = [c for c in cases if c["op"].endswith("quant")]
-    assert all(c["args"][2] is not None and c["args"][-1] == "int8" for c in quant)  # a smooth scale, int8
+    quant = [c for c in cases if c["op"].endswith("quant") and c["sites"] != ["text.lm_head"]]
+    assert all(c["args"][2] is not None and c["args"][-1] == "int8" for c in quant)  # a smooth scale, int8 (lm_head:
+    # unsmoothed)
     assert {c["phase"] for c in quant} == {"prefill", "decode"}
     rows = run_file(out, "cpu", 1)
     assert rows and all(r["passed"] and r["backend"] == "cpu" for r in rows), rows
@@ -515,11 +520,15 @@ def test_hooks_editing_in_place_are_honoured_in_w8a8(tiny_loaded, sample_inputs,
     the float model with the same hook (cosine 0.9998 with the edit honoured; 0.66-0.87 when dropped)."""
     float_model = _with_edit(copy.deepcopy(tiny_loaded[0]), edit)
     w8a8 = _with_edit(copy.deepcopy(tiny_loaded[0]), edit)
-    report = patch_model(w8a8, backend="cpu", quant="w8a8")
+    report = patch_model(w8a8, backend="cpu", quant="w8a8", int8_lm_head=True)
     with getattr(torch, mode)():
         want = float_model(**sample_inputs).logits.float()
         got = w8a8(**sample_inputs).logits.float()
     assert float(torch.nn.functional.cosine_similarity(want.flatten(), got.flatten(), 0)) > 0.999
+    if MODEL_EDITS[edit][0] == "lm_head":  # it quantises the rows it reads: the edited ones
+        head = next(r for r in report.to_json()["w8a8"]["linears"] if r["path"] == "lm_head")
+        assert head["became"] == "w8a8" and head["quantized_here"] == head["calls"] >= 1
+        return
     bypassed = [r["quant"]["bypassed"] for r in report.to_json()["sites"] if r.get("quant")]
     assert any("hooks on the producer or a consumer" in why for b in bypassed for why in b)  # visible in the report
 
@@ -546,7 +555,7 @@ def test_float_linears_keeps_a_producers_linears_float_together(tiny_loaded, sam
         assert "float_linears keeps" in rows[f"{attn}.{name}"]["input"]
     assert rows[f"{attn}.o_proj"]["became"] == rows["model.visual.merger.mlp.0"]["became"] == "w8a8"
     assert rows["model.visual.merger.mlp.2"]["input"] == "float_linears keeps it in the model dtype"
-    assert q["summary"]["int8"] == 51 - 12 - 1
+    assert q["summary"]["int8"] == 51 - 12 - 1 - 1  # and lm_head, float unless int8_lm_head
     assert {"path": "model.language_model.layers.2.input_layernorm",
             "reason": f"float_linears keeps {attn}.q_proj in the model dtype"} in q["skipped_producers"]
     logits = _logits(model, sample_inputs)
@@ -578,8 +587,8 @@ def test_release_float_weights_returns_the_memory_and_refuses_unpatch(tiny_loade
     assert s["released_float_bytes"] == s["releasable_float_bytes"] > 0
     head = model.get_output_embeddings()
     tied = head.weight is model.get_input_embeddings().weight
-    assert tied and not head.weight.is_meta  # the embedding keeps its float table; lm_head runs int8 from it
-    assert s["float_weight_bytes"] - s["released_float_bytes"] == head.weight.numel() * head.weight.element_size()
+    assert tied and not head.weight.is_meta  # the embedding keeps its float table; lm_head (float) reads it
+    assert s["float_weight_bytes"] == s["released_float_bytes"]
     assert torch.equal(_logits(model, sample_inputs), want)
     assert "float weights released" in str(report) and "unpatch_model refused" in str(report)
     with pytest.raises(PatchError, match=r"unpatch_model: the float weights of 50 int8 linears .* were released"):
@@ -628,7 +637,7 @@ def test_a_cpu_without_int8_dot_products_runs_the_int16_kernel_with_the_same_log
     assert torch.equal(_logits(model, sample_inputs), want)
     gate = model.get_submodule("model.language_model.layers.0.mlp.gate_proj").weight
     assert (2 * gate.shape[0], gate.shape[1]) in calls  # the merged gate/up weight
-    assert len(calls) == 51 - 8  # one GEMM per linear, one per MLP's gate + up
+    assert len(calls) == 50 - 8  # one GEMM per int8 linear (lm_head is float), one per MLP's gate + up
 
 
 def test_the_int32_gemm_golden_is_the_exact_integer_product(monkeypatch):
@@ -722,7 +731,7 @@ def test_text_families_run_every_linear_int8(name):
     model, processor = family.load(family.TINY_DIR, "float32", "cpu")
     batch = processor(list(family.CALIBRATION_PROMPTS[:2]), None, model)
     want = _logits(model, batch)
-    report = patch_model(model, backend="cpu", quant="w8a8")
+    report = patch_model(model, backend="cpu", quant="w8a8", int8_lm_head=True)
     got = _logits(model, batch)
     q = report.to_json()["w8a8"]
     assert q["summary"]["int8"] == q["summary"]["linears"] == 29 and q["summary"]["fallbacks"] == 0
@@ -764,3 +773,34 @@ def test_an_mlp_runs_one_int32_gemm_and_dequant_swiglu_quant(tiny_loaded, sample
     assert len(mlps) == 8 and all(r["quant"]["gate_up_int32_gemm"] and r["quant"]["int32_calls"] >= 1 for r in mlps)
     rows = {r["path"]: r for r in report.to_json()["w8a8"]["linears"]}
     assert all(r["handed_over"] == r["calls"] >= 1 for p, r in rows.items() if p.endswith(("gate_proj", "up_proj")))
+
+
+# ---- defects found by the attack battery (issue 27) ------------------------------------------------------
+@pytest.mark.parametrize("smooth_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dynamic_quant_on_cpu_equals_torch_for_every_dtype_pair(x_dtype, smooth_dtype):
+    """The smooth scale may have any float dtype: the cpu kernel read it as x's (16-bit x with an fp32 scale read
+    garbage, fp32 x with a 16-bit scale read past the buffer)."""
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(9, 300, generator=gen) * 3).to(x_dtype)
+    smooth = (torch.rand(300, generator=gen) + 0.5).to(smooth_dtype)
+    op = OPS["dynamic_quant"]
+    got = run_on("cpu", op, (x, smooth, "int8"))
+    want = op.golden(x, smooth, "int8")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_bf16_w8a8_model_whose_down_proj_quantises_its_own_rows_gives_its_logits(tiny_loaded, sample_inputs,
+                                                                                   calib_file):
+    """A hook on down_proj makes the MLP hand it float rows, which it quantises with the MLP's fp32 smooth scale
+    (bf16 rows): the logits are those of the hand-over within W8A8's precision, not NaN."""
+    model = copy.deepcopy(tiny_loaded[0])
+    patch_model(model, backend="cpu", quant="w8a8", calibration=calib_file)
+    want = _logits(model, sample_inputs)
+    down = model.get_submodule("model.language_model.layers.0.mlp.down_proj")
+    down.register_forward_hook(lambda m, a, out: None)
+    got = _logits(model, sample_inputs)
+    assert quant_linear.quant_linear_of(down).quantized_here >= 1
+    live = want.abs().amax(-1) > 0
+    assert torch.isfinite(got).all()
+    assert float(torch.nn.functional.cosine_similarity(got[live], want[live], dim=-1).min()) > 0.99

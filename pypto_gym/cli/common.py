@@ -106,8 +106,9 @@ def load_int8_checkpoint(args, options, device):
     if options is None or options["quant"] != "w8a8":
         raise UserError(f"--model: {args.model} is a {fmt} W8A8 checkpoint (int8 weights, no float ones); run it with "
                         f"--use_pto --quant w8a8")
-    for flag, key in (("--calibration", "calibration"), ("--float-linears", "float_linears")):
-        if options[key] is not None:
+    for flag, key in (("--calibration", "calibration"), ("--float-linears", "float_linears"),
+                      ("--int8-lm-head", "int8_lm_head")):
+        if options[key]:
             raise UserError(f"{flag}: not with an int8 checkpoint ({args.model}): its smoothing and its float "
                             f"linears are in the checkpoint")
     t0 = time.perf_counter()
@@ -157,12 +158,24 @@ def add_patch_args(ap):
                     help="with --quant w8a8: smooth scales from `calibrate` (default: no smoothing)")
     ap.add_argument("--float-linears", default=None,
                     help="with --quant w8a8: globs over linear kinds or paths kept in the model dtype, e.g. "
-                         "'text.o_proj,vision.proj' (default: every linear int8)")
+                         "'text.o_proj,vision.proj' (default: every linear but lm_head int8)")
     ap.add_argument("--release-float-weights", action="store_true",
                     help="with --quant w8a8: the int8 linears drop their float weights (memory returned, no unpatch)")
+    ap.add_argument("--int8-lm-head", action="store_true",
+                    help="with --quant w8a8: lm_head int8 too (default float: what vLLM and vllm-ascend serve)")
     ap.add_argument("--allow-fallback", action="store_true",
                     help="with a --backend that cannot run here: run on torch (counted in the report) instead of "
                          "refusing")
+
+
+def parse_float_linears(value):
+    """--float-linears checked before anything is loaded (options.parse_float_linears), refused as one line."""
+    from ..patching import options
+
+    try:
+        return options.parse_float_linears(value, "--float-linears")
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def patch_options(args) -> dict | None:
@@ -182,6 +195,8 @@ def patch_options(args) -> dict | None:
         raise UserError(f"--calibration: no file at {args.calibration}")
     if args.float_linears is not None and args.quant is None:
         raise UserError("--float-linears: given without --quant w8a8")
+    if args.int8_lm_head and args.quant is None:
+        raise UserError("--int8-lm-head: given without --quant w8a8")
     if args.release_float_weights and args.quant is None:
         raise UserError("--release-float-weights: given without --quant w8a8")
     if not use:
@@ -197,8 +212,8 @@ def patch_options(args) -> dict | None:
     sites = options.parse_sites(args.sites, "--sites") if args.sites is not None else options.default_sites()
     return {"backend": backend, "sites": sites, "fuse_residual": fuse, "quant": args.quant,
             "calibration": args.calibration,
-            "float_linears": options.parse_sites(args.float_linears, "--float-linears"),
-            "release_float_weights": args.release_float_weights,
+            "float_linears": parse_float_linears(args.float_linears),
+            "release_float_weights": args.release_float_weights, "int8_lm_head": args.int8_lm_head,
             "sites_from": "--sites" if args.sites is not None else "PYPTO_GYM_SITES"}
 
 

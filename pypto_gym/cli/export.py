@@ -14,7 +14,12 @@ def add_parser(sub):
                    help="smooth scales from `calibrate`, folded into the checkpoint (default: no smoothing)")
     p.add_argument("--float-linears", default=None,
                    help="globs over linear kinds or paths kept in the model dtype (e.g. 'text.q_proj')")
-    p.add_argument("out", help="a new or empty directory")
+    p.add_argument("--int8-lm-head", action="store_true",
+                   help="lm_head int8 too (default float: what vLLM and vllm-ascend load; vLLM refuses an int8 "
+                        "lm_head in compressed-tensors, vllm-ascend loads msModelSlim's)")
+    p.add_argument("--release-float-weights", action="store_true",
+                   help="drop each float weight once its int8 copy exists (a large model's peak memory)")
+    p.add_argument("out", help="a new or empty directory (its parent must exist)")
     p.set_defaults(func=run)
 
 
@@ -26,20 +31,24 @@ def run(args) -> int:
     from ..quant import export
 
     family = common.model_family(args)
-    out = Path(args.out)
     if args.calibration is not None and not Path(args.calibration).is_file():
         raise common.UserError(f"--calibration: no file at {args.calibration}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise common.UserError(f"out: {out} exists and is not an empty directory; expected a new or empty one")
+    float_linears = common.parse_float_linears(args.float_linears)
+    try:
+        out = export.check_out_dir(args.out)  # before the model is loaded and quantised, not after
+    except OSError as e:
+        raise common.UserError(f"out: {str(e).removeprefix('export: ')}") from None
     device = resolve_device(getattr(args, "device", None) or "cpu")
     model, processor, _ = common.load_model(args, family, device)
     report = patch_model(model, backend="cpu", quant="w8a8", calibration=args.calibration,
-                         float_linears=args.float_linears)
+                         float_linears=float_linears, int8_lm_head=args.int8_lm_head,
+                         release_float_weights=args.release_float_weights)
     wrote = export.save(model, out, processor, args.format)
     s = report.to_json()["w8a8"]["summary"]
+    head = ("lm_head float (in the ignore list: what vLLM and vllm-ascend load)" if wrote["lm_head"] == "float" else
+            f"lm_head int8 (--int8-lm-head: {export.LM_HEAD_CONSUMERS[args.format]})")
     print(f"{args.format} checkpoint written to {out}: {len(wrote['int8'])} int8 linears (weight int8 + weight_scale "
           f"fp32 per output channel), {len(wrote['ignore'])} float ({', '.join(wrote['ignore'][:3])}"
-          f"{', ...' if len(wrote['ignore']) > 3 else ''}); {s['int8_weight_bytes'] / 2 ** 20:.1f} MB of int8 weights"
-          + (f"; smoothing folded into the weights{', lm_head written untied' if wrote['untied'] else ''}"
-             if args.calibration else ""))
+          f"{', ...' if len(wrote['ignore']) > 3 else ''}); {head}; {s['int8_weight_bytes'] / 2 ** 20:.1f} MB of int8 "
+          f"weights" + ("; smoothing folded into the weights" if args.calibration else ""))
     return 0

@@ -11,11 +11,12 @@ MODELING_DIR = Path(importlib.import_module("pypto_gym.modeling").__file__).pare
 CORPUS = MODELING_DIR / "tiny_qwen2_5_vl" / "corpus.txt"  # what every tiny tokenizer is trained on
 
 # W8A8: the linears that read each decoder norm kind's output rows directly, relative to the norm's
-# parent ("<lm_head>": the model's output embedding), as Qwen2/2.5/3 and Llama decoders name them
+# parent, as Qwen2/2.5/3 and Llama decoders name them. The final norm hands none over: its output leaves
+# the model (last_hidden_state, hidden_states[-1]) and must be a plain tensor there, and an int8 lm_head
+# (int8_lm_head=True) reads only the rows it needs, one at decode, which it quantises itself.
 TEXT_LINEARS_AFTER_NORM = {
     "text.input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "text.post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
-    "text.norm": ("<lm_head>",),
 }
 # W8A8: the decoder linear whose input no fused op produces (it quantises it itself), and where its
 # SmoothQuant scale folds into a checkpoint (quant/fold.py): v_proj's output rows, per kv head.

@@ -25,9 +25,8 @@ IMAGES = (SAMPLE_IMAGE, DOCUMENT_IMAGE)  # capture and calibration inputs: a tex
 CALIBRATION_PROMPTS = ["Read the text in the image.", "What is written in this document?",
                        "Transcribe every line of the page.", "Describe the layout of this image."]
 
-# W8A8: the linears that read each norm kind's output rows directly, relative to the norm's parent
-# ("<lm_head>": the model's output embedding), so the norm can hand them int8 rows: the decoder's,
-# and Qwen2.5-VL's vision blocks.
+# W8A8: the linears that read each norm kind's output rows directly, relative to the norm's parent, so
+# the norm can hand them int8 rows: the decoder's, and Qwen2.5-VL's vision blocks.
 W8A8_LINEARS = {
     **TEXT_LINEARS_AFTER_NORM,
     "vision.norm1": ("attn.qkv",),

@@ -94,7 +94,8 @@ def _say_unavailable(state: PatchState) -> None:
 
 def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, fuse_residual: bool | None = None,
                 cast_mode: str = "hf", quant: str | None = None, calibration=None,
-                strict: bool | None = None, float_linears=None, release_float_weights: bool = False) -> PatchReport:
+                strict: bool | None = None, float_linears=None, release_float_weights: bool = False,
+                int8_lm_head: bool = False) -> PatchReport:
     """Swap every site of `model` (RMSNorms, SwiGLU MLPs, rotary embeddings) for the fused ops; returns
     the live report.
 
@@ -113,6 +114,9 @@ def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, 
     release_float_weights: with quant, a deployment: the int8 linears drop their float weights (the memory is
       returned; a weight shared with another module, a tied lm_head's, stays); unpatch_model and the switch
       are then refused for them.
+    int8_lm_head: with quant, lm_head int8 too (it quantises the rows it reads). Off by default: vLLM and
+      vllm-ascend serve a compressed-tensors checkpoint's lm_head float (ParallelLMHead is not quantised), so
+      that is what W8A8 runs and exports unless asked (vllm-ascend does load an msModelSlim W8A8_DYNAMIC one).
     strict: this patch's sites raise instead of falling back (None: the process-wide switch).
     Patching an already patched model with the same options returns its report and changes
     nothing; with other options it raises (unpatch first). A model that contains a patched
@@ -122,7 +126,7 @@ def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, 
         raise TypeError(f"model: got {type(model).__name__}; expected a torch.nn.Module")
     config.STATE.load()
     options = PatchConfig.make(backend, sites, fuse_residual, cast_mode, quant, calibration, strict, float_linears,
-                               release_float_weights)
+                               release_float_weights, int8_lm_head)
     existing = model.__dict__.get(_STATE_ATTR)
     if existing is not None:
         if not existing.options.same(options):

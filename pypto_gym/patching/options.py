@@ -36,6 +36,20 @@ def parse_sites(sites, argument: str = "sites") -> tuple | None:
     return tuple(items) or None
 
 
+def parse_float_linears(value, argument: str = "float_linears") -> tuple | None:
+    """`float_linears=`: globs as `sites=` takes them, but given means at least one, and no `!` exclusions
+    (what stays float is named, not what does not)."""
+    globs = parse_sites(value, argument)
+    if value is not None and globs is None:
+        raise ValueError(f"{argument}: got {value!r}; expected comma-separated globs over linear kinds or paths "
+                         f"(e.g. 'text.q_proj'), or leave it out")
+    bad = [g for g in globs or () if g.startswith("!")]
+    if bad:
+        raise ValueError(f"{argument}: got {bad[0]!r}; '!' exclusions are not supported here: name the linears to "
+                         f"keep in the model dtype")
+    return globs
+
+
 def default_sites() -> tuple | None:
     """$PYPTO_GYM_SITES, parsed (None when unset): the default of `sites=` here and in the scripts."""
     return parse_sites(config.env_text("PYPTO_GYM_SITES"), "PYPTO_GYM_SITES")
@@ -57,17 +71,18 @@ class PatchConfig:
     strict: bool | None
     float_linears: tuple | None = None  # with quant: globs of linears (kinds or paths) kept in the model dtype
     release_float_weights: bool = False  # with quant: int8 linears drop their float weights (no unpatch)
+    int8_lm_head: bool = False  # with quant: lm_head int8 too (what vLLM loads keeps it float: the default)
     sites_from: str = "sites"  # what a selection matching nothing is blamed on
 
     @classmethod
     def make(cls, backend=None, sites=None, fuse_residual=None, cast_mode="hf", quant=None, calibration=None,
-             strict=None, float_linears=None, release_float_weights=False) -> "PatchConfig":
+             strict=None, float_linears=None, release_float_weights=False, int8_lm_head=False) -> "PatchConfig":
         """The validated options; every refusal names the argument."""
         if quant is not None and quant not in QUANT_MODES:
             raise ValueError(f"quant: got {quant!r}; expected None or one of {', '.join(map(repr, QUANT_MODES))}")
         if calibration is not None and quant is None:
             raise ValueError("calibration: given without quant='w8a8'; smooth scales only apply to int8 linears")
-        float_linears = parse_sites(float_linears, "float_linears")
+        float_linears = parse_float_linears(float_linears)
         if float_linears is not None and quant is None:
             raise ValueError("float_linears: given without quant='w8a8'; without it every linear is float")
         if not isinstance(release_float_weights, bool):
@@ -75,6 +90,11 @@ class PatchConfig:
                             f"({type(release_float_weights).__name__}); expected True or False")
         if release_float_weights and quant is None:
             raise ValueError("release_float_weights: given without quant='w8a8'; only int8 linears can drop them")
+        if not isinstance(int8_lm_head, bool):
+            raise TypeError(f"int8_lm_head: got {int8_lm_head!r} ({type(int8_lm_head).__name__}); expected True or "
+                            f"False")
+        if int8_lm_head and quant is None:
+            raise ValueError("int8_lm_head: given without quant='w8a8'")
         backend = registry.default_backend() if backend is None else registry.check_name(backend)
         sites_from = "sites" if sites is not None else "PYPTO_GYM_SITES"
         sites = default_sites() if sites is None else parse_sites(sites)
@@ -87,7 +107,7 @@ class PatchConfig:
         if strict is not None:
             strict = config.parse_bool("strict", strict)
         return cls(backend, sites, fuse_residual, cast_mode, quant, None if calibration is None else str(calibration),
-                   strict, float_linears, release_float_weights, sites_from)
+                   strict, float_linears, release_float_weights, int8_lm_head, sites_from)
 
     def same(self, other: "PatchConfig") -> bool:
         return self.to_json() == other.to_json()

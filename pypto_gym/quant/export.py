@@ -11,18 +11,27 @@ A smoothed model (a calibration file) is written with every smooth scale folded 
 rows it scales (quant/fold.py: norm weights, up_proj's and v_proj's output rows, ln_q), as llm-compressor's
 SmoothQuant writes its checkpoints: neither format has a tensor for an activation smooth scale. The int8
 weights are still the ones the model runs; a folded int8 linear's weight_scale (and bias) carries the
-factor. A tied lm_head after a smoothed final norm reads rows scaled by 1/s, which the embedding must not:
-it is written untied, int8 (`tie_word_embeddings: false`).
+factor.
+
+lm_head is float by default (in `ignore`, FLOAT in msModelSlim's description): what vLLM and vllm-ascend
+load. An int8 lm_head (patch_model's int8_lm_head) is written int8 and said to be so (LM_HEAD_CONSUMERS);
+tied to the embedding it is written once, as the embedding's float table, and quantised again on loading.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
+from .. import files
 from .linear import STORED, quant_linear_of
+from .plan import output_embedding
 
 FORMAT = "compressed-tensors"
 
@@ -49,11 +58,21 @@ W8A8_DYNAMIC = "W8A8_DYNAMIC"
 MSMODELSLIM_GLOBALS = {"version": "1.0.0", "model_quant_type": W8A8_DYNAMIC, "metadata": {}, "group_size": 0}
 
 
+LM_HEAD_CONSUMERS = {  # who loads an int8 lm_head of each format (read in vLLM 0.32 and vllm-ascend's code)
+    "compressed-tensors": "pypto-gym and transformers load it; vLLM refuses it (its ParallelLMHead is never "
+                          "quantised: 'no module or parameter named lm_head.weight_scale')",
+    "msmodelslim": "pypto-gym loads it; vllm-ascend quantises an lm_head its description types W8A8_DYNAMIC "
+                   "(modelslim_config.py: AscendEmbeddingMethod)",
+}
+
+
 def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> dict:
     """Write the W8A8-patched `model` (and its processor/tokenizer) to `out_dir` as a compressed-tensors or an
-    msModelSlim W8A8_DYNAMIC checkpoint; returns {"int8": [paths], "ignore": [paths]}. Refused, before anything
-    is written, for a model that is not patched in W8A8 mode. Smoothing is folded (module docstring); a tied
-    lm_head after a smoothed norm is written untied, int8 (returned as "untied").
+    msModelSlim W8A8_DYNAMIC checkpoint; returns {"int8": [paths], "ignore": [paths], "lm_head": "float" | "int8"}.
+    Refused, before anything is written, for a model that is not patched in W8A8 mode or a scale that cannot
+    fold. Smoothing is folded (module docstring). Everything is written into a temporary folder beside
+    `out_dir`, renamed to it at the end: an interrupted or failed export leaves nothing (no config.json
+    without its quantization_config, which transformers would load as a float model of int8 codes).
 
     msModelSlim: every tensor in `quant_model_weights.safetensors`; per int8 linear `weight` int8,
     `weight_scale` fp32 [out, 1], `weight_offset` zeros fp32 [out, 1] (symmetric) and its bias fp32;
@@ -68,18 +87,18 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> 
     if plan is None:
         raise ValueError("export: the model is not patched with quant='w8a8'; patch it first (its int8 weights "
                          "are what is written)")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"export: {out} exists and is not empty; expected a new or empty directory")
+    out = check_out_dir(out_dir)
     factors = _smoothing_factors(model, plan)  # refused here, before anything is written, if one cannot fold
     tensors = {}
-    int8, ignore, untied = [], [], []
+    int8, ignore, tied = [], [], []
     for ql in plan.linears:
-        if ql.float_weight_shared:
-            if ql.source is None or ql.source.inv_smooth is None:  # a tied lm_head: the embedding's table, float
-                ignore.append(ql.path)
-                continue
-            untied.append(ql.path)  # it reads smoothed rows: its own int8 weight (W * s), not the embedding's
+        if ql.float_weight_shared:  # a tied lm_head: the embedding's table, written once, float
+            if ql.inv_smooth is not None:
+                raise ValueError(f"export: {ql.path} shares its weight with another module and is smoothed: no "
+                                 f"checkpoint tensor can hold both")
+            ignore.append(ql.path)
+            tied.append(ql.path)
+            continue
         int8.append(ql.path)
         scale = ql.w_scale.reshape(-1, 1).to(torch.float32).contiguous()
         tensors[f"{ql.path}.weight"] = ql.w_q.contiguous()
@@ -97,28 +116,68 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> 
     for name, f in factors.items():  # each output channel (dim 0) times its folded 1/s, rounded once
         t = state_dict[name]
         state_dict[name] = (t.float() * f.to(t.device).view(-1, *[1] * (t.dim() - 1))).to(t.dtype)
-    with _untied(model, bool(untied)):
-        model.save_pretrained(out, state_dict=state_dict, max_shard_size="1000GB")  # one weights file
-    tied = [ql.path for ql in plan.linears if ql.float_weight_shared and ql.path not in untied]  # float on disk
-    (out / SIDECAR).write_text(json.dumps({"format": "pypto_gym-export-1", "quantised_from_float": tied},
-                                          indent=2) + "\n")
-    if format == "compressed-tensors":
-        config_path = out / "config.json"
-        config = json.loads(config_path.read_text())
-        config["quantization_config"] = quantization_config(ignore)
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    else:
-        from safetensors import safe_open
+    head = output_embedding(model)
+    lm_head = "int8" if head is not None and quant_linear_of(head[1]) is not None else "float"
+    with _staging(out) as tmp:
+        model.save_pretrained(tmp, state_dict=state_dict, max_shard_size="1000GB")  # one weights file
+        (tmp / SIDECAR).write_text(json.dumps({"format": "pypto_gym-export-1", "quantised_from_float": tied},
+                                              indent=2) + "\n")
+        if format == "compressed-tensors":
+            config_path = tmp / "config.json"
+            config = json.loads(config_path.read_text())
+            config["quantization_config"] = quantization_config(ignore)
+            config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        else:
+            from safetensors import safe_open
 
-        (out / "model.safetensors").rename(out / MSMODELSLIM_WEIGHTS)
-        with safe_open(str(out / MSMODELSLIM_WEIGHTS), framework="pt") as f:
-            names = list(f.keys())
-        int8_keys = {f"{p}.{n}" for p in int8 for n in ("weight", "weight_scale", "weight_offset")}
-        description = {k: W8A8_DYNAMIC if k in int8_keys else "FLOAT" for k in sorted(names)}
-        (out / MSMODELSLIM_JSON).write_text(json.dumps({**description, **MSMODELSLIM_GLOBALS}, indent=2) + "\n")
-    if processor is not None:
-        processor.save_pretrained(out)
-    return {"int8": int8, "ignore": sorted(ignore), "untied": untied}
+            (tmp / "model.safetensors").rename(tmp / MSMODELSLIM_WEIGHTS)
+            with safe_open(str(tmp / MSMODELSLIM_WEIGHTS), framework="pt") as f:
+                names = list(f.keys())
+            int8_keys = {f"{p}.{n}" for p in int8 for n in ("weight", "weight_scale", "weight_offset")}
+            description = {k: W8A8_DYNAMIC if k in int8_keys else "FLOAT" for k in sorted(names)}
+            (tmp / MSMODELSLIM_JSON).write_text(json.dumps({**description, **MSMODELSLIM_GLOBALS}, indent=2) + "\n")
+        if processor is not None:
+            processor.save_pretrained(tmp)
+    return {"int8": int8, "ignore": sorted(ignore), "lm_head": lm_head}
+
+
+def check_out_dir(out_dir) -> Path:
+    """The export's folder, refused in one line before any work: not empty, a file, a missing parent (not created,
+    as `cp` does not), an unwritable parent (the export is staged beside it)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"export: {out} is a file; expected a new or empty directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise FileExistsError(f"export: {out} exists and is not empty; expected a new or empty directory")
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        raise FileNotFoundError(f"export: directory {parent} does not exist (create it first)")
+    if not os.access(parent, os.W_OK | os.X_OK) or (out.is_dir() and not os.access(out, os.W_OK | os.X_OK)):
+        raise PermissionError(f"export: cannot write in {parent if not out.is_dir() else out}")
+    return out
+
+
+@contextlib.contextmanager
+def _staging(out: Path):
+    """A temporary folder beside `out`, renamed to `out` once everything was written into it (the files get the
+    mode a plain open() would give them: save_pretrained writes some 0600); removed if anything fails."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.absolute().parent))
+    try:
+        yield tmp
+        mode = files.new_file_mode()
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                os.chmod(f, mode)
+        os.chmod(tmp, 0o777 & ~files.umask())
+        if out.is_dir():
+            out.rmdir()  # the empty folder the user made: the staged one takes its place
+        os.rename(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and not isinstance(e, (OSError, ValueError)):  # safetensors' own errors
+            raise OSError(f"export: writing {out} failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                          f"nothing written") from e
+        raise
 
 
 def _smoothing_factors(model, plan) -> dict:
@@ -154,26 +213,6 @@ def _smoothing_factors(model, plan) -> dict:
             fold = sources[ql.path]
             rows_of(fold.source_path, source_factor(ql.inv_smooth, fold))
     return factors
-
-
-class _untied:
-    """`with _untied(model, on)`: the model's config says tie_word_embeddings=False while save_pretrained writes
-    it (the lm_head is its own int8 tensor), and says what it said before afterwards."""
-
-    def __init__(self, model, on: bool):
-        configs = [model.config, model.config.get_text_config()] if on else []
-        self.configs = [c for i, c in enumerate(configs) if hasattr(c, "tie_word_embeddings")
-                        and all(c is not d for d in configs[:i])]
-
-    def __enter__(self):
-        self.saved = [c.tie_word_embeddings for c in self.configs]
-        for c in self.configs:
-            c.tie_word_embeddings = False
-
-    def __exit__(self, *exc):
-        for c, was in zip(self.configs, self.saved):
-            c.tie_word_embeddings = was
-        return False
 
 
 # ---- loading a compressed-tensors W8A8 checkpoint onto the fused kernels ----------------------------------
@@ -340,7 +379,10 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
                              f"model has {'its int8 weight' if p in stored else 'no such linear'}")
     float_paths = [p for p, m in model.named_modules() if isinstance(m, torch.nn.Linear) and p not in stored
                    and p not in tied]
-    report = patch_model(model, backend=backend, quant="w8a8", float_linears=float_paths or None, **patch_options)
+    head = output_embedding(model)
+    int8_head = head is not None and (head[0] in stored or head[0] in tied)
+    report = patch_model(model, backend=backend, quant="w8a8", float_linears=float_paths or None,
+                         int8_lm_head=int8_head, **patch_options)
     lost = [lin for lin in stored if quant_linear_of(model.get_submodule(lin)) is None]
     if lost:
         raise ValueError(f"{where}: int8 linear {lost[0]} could not run int8 here (its producer stays float: "

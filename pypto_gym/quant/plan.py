@@ -29,14 +29,8 @@ from .norm import QuantNorm
 
 def _resolve(model, site, relative: str):
     """(path, linear) or (path, reason) for one named consumer of `site`."""
-    if relative == "<lm_head>":
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        path = next((p for p, m in model.named_modules() if m is head), None) if head is not None else None
-        if path is None:
-            return "lm_head", "the model has no output embedding"
-    else:
-        parent = site.path.rpartition(".")[0]
-        path = f"{parent}.{relative}" if parent else relative
+    parent = site.path.rpartition(".")[0]
+    path = f"{parent}.{relative}" if parent else relative
     try:
         module = model.get_submodule(path)
     except AttributeError:
@@ -71,6 +65,18 @@ def own_input_linears(model):
     suffixes = w8a8_family(model).W8A8_OWN_INPUT
     return [(p, m) for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)
             and any(p == s or p.endswith("." + s) for s in suffixes)]
+
+
+def output_embedding(model):
+    """(path, linear) of the model's lm_head (its output embedding, an nn.Linear), or None."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        return None
+    return next(((p, m) for p, m in model.named_modules() if m is head), None)
+
+
+LM_HEAD_FLOAT = ("lm_head stays in the model dtype (the default: vLLM's and vllm-ascend's ParallelLMHead is not "
+                 "quantised from a compressed-tensors checkpoint; int8_lm_head=True makes it int8)")
 
 
 class QuantPlan:
@@ -189,8 +195,14 @@ def install(model, state) -> QuantPlan:
             fed[site] = found
         elif reason:
             plan.skipped_producers.append({"path": site.path, "reason": reason})
-    # the linears that quantise their own input, in the parts (text, vision) that have producers
+    # the linears that quantise their own input, in the parts (text, vision) that have producers; lm_head one of
+    # them only on request (int8_lm_head), unsmoothed: it reads one row at decode, and what vLLM loads is float
     every_own = own_input_linears(model)
+    head = output_embedding(model)
+    if head is not None and state.options.int8_lm_head:
+        every_own.append(head)
+    elif head is not None:
+        plan.float_reasons[head[0]] = LM_HEAD_FLOAT
     parts = {part(s.path) for s in fed}
     own = [(p, m) for p, m in every_own if part(p) in parts and p not in kept]
     plan.float_reasons.update({p: "float_linears keeps it in the model dtype" for p, _ in every_own if p in kept})

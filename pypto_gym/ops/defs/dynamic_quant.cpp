@@ -1,5 +1,6 @@
 // dynamic_quant (defs/dynamic_quant.py): x (times the smooth scale) quantised per row, in one pass per row
-// through a per-thread fp32 scratch row.
+// through a per-thread fp32 scratch row. The smooth scale may have any float dtype (the golden multiplies
+// f32(smooth)): it is read as fp32, converted once per call (D values), never as x's dtype.
 #include "common.h"
 
 namespace {
@@ -14,7 +15,7 @@ std::vector<at::Tensor> dynamic_quant_entry(const at::Tensor& x_in, const c10::o
   at::Tensor scale = at::empty(row_shape, x.options().dtype(at::kFloat));
   if (x.numel() == 0) return {y, scale};
   at::Tensor smooth;
-  if (smooth_in.has_value()) smooth = smooth_in->reshape({D}).contiguous();
+  if (smooth_in.has_value()) smooth = smooth_in->reshape({D}).to(at::kFloat).contiguous();
   const int64_t R = x.numel() / D;
   int8_t* yp = y.data_ptr<int8_t>();
   float* scp = scale.data_ptr<float>();
@@ -22,7 +23,7 @@ std::vector<at::Tensor> dynamic_quant_entry(const at::Tensor& x_in, const c10::o
     using X = decltype(xt);
     using T = typename X::T;
     const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-    const T* sp = smooth.defined() ? reinterpret_cast<const T*>(smooth.data_ptr()) : nullptr;
+    const float* sp = smooth.defined() ? smooth.data_ptr<float>() : nullptr;
     at::parallel_for(0, R, grain_for(D), [&](int64_t begin, int64_t end) {
       std::unique_ptr<float[]> n(new float[D]);
       for (int64_t r = begin; r < end; ++r) {
@@ -31,10 +32,10 @@ std::vector<at::Tensor> dynamic_quant_entry(const at::Tensor& x_in, const c10::o
 #ifdef PG_SIMD
         for (; i + W <= D; i += W) {
           const V v = vload<X>(xr + i);
-          vstore<F32>(n.get() + i, sp ? vmul(v, vload<X>(sp + i)) : v);
+          vstore<F32>(n.get() + i, sp ? vmul(v, vload<F32>(sp + i)) : v);
         }
 #endif
-        for (; i < D; ++i) n[i] = sp ? X::load(xr[i]) * X::load(sp[i]) : X::load(xr[i]);
+        for (; i < D; ++i) n[i] = sp ? X::load(xr[i]) * sp[i] : X::load(xr[i]);
         scp[r] = quantize_row(n.get(), D, (float)qmax, (float)qmin, yp + r * D);
       }
     });
