@@ -116,3 +116,23 @@ def test_the_switch_runs_the_original_mlp(model32, sample_inputs):
     with pypto_gym.config.scoped(enabled=False):
         assert torch.equal(logits(model32, sample_inputs), want)
     assert report.to_json()["summary"]["calls"] == 0
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_new", "gelu_pytorch_tanh", "quick_gelu", "gelu_fast", "silu"])
+def test_a_geglu_mlp_with_small_gate_weights_is_not_taken_for_swiglu(act):
+    """Gate outputs near 0 (small gate weights on the old probe's N(0, 1) input) made gelu(z) ~ silu(z) ~ z/2 within
+    bf16's rounding: a GELU-gated MLP (Llama/Gemma-style GeGLU) was patched as SwiGLU. The probe scales its input
+    to gate outputs of order 2 and asks which activation the output is closest to."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, hidden_act=act)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate_proj.weight.mul_(0.05)
+    (row,) = mlp_rows(pypto_gym.patch_model(model, backend="torch").to_json())
+    if act == "silu":
+        assert row["status"] == "patched", row
+    else:
+        assert row["status"] == "skipped" and "not SiLU" in row["reason"], row

@@ -65,28 +65,46 @@ def mlp_forward(module, x):
 MlpSite.FORWARD = mlp_forward
 
 
+# activations a gated MLP may have instead of SiLU: the probe's output must be closer to SiLU's than to each
+_LOOKALIKES = (("GELU", F.gelu), ("GELU (tanh)", lambda t: F.gelu(t, approximate="tanh")),
+               ("QuickGELU", lambda t: t * torch.sigmoid(1.702 * t)))
+PROBE_GATE_STD = 2.0  # the probe's gate outputs: where SiLU and GELU differ by ~10%, far above bf16's rounding
+
+
 def _probe(module) -> str:
-    """'' if the module computes down_proj(silu(gate_proj(x)) * up_proj(x)), else why not."""
+    """'' if the module computes down_proj(silu(gate_proj(x)) * up_proj(x)), else why not.
+
+    On N(0, 1) inputs a gate with small weights outputs z near 0, where gelu(z) ~ silu(z) ~ z/2 within bf16's
+    rounding: a GeGLU MLP passed. So the input is scaled to gate outputs of std PROBE_GATE_STD, and the module
+    must be closer to SiLU's result than to GELU's, GELU-tanh's and QuickGELU's (and within tolerance of it)."""
     w = module.gate_proj.weight
     hook = getattr(module.gate_proj, "_hf_hook", None)
     device = getattr(hook, "execution_device", None) or w.device
     dtype = w.dtype if w.dtype in _PROBE_TOL else torch.float32
     gen = torch.Generator(device="cpu").manual_seed(0)
     H = module.gate_proj.in_features if hasattr(module.gate_proj, "in_features") else w.shape[-1]
-    x = torch.randn(2, H, generator=gen).to(device=device, dtype=dtype)
+    x = torch.randn(4, H, generator=gen).to(device=device, dtype=dtype)
     try:
         with torch.no_grad(), torch_hooks_set_aside(module):  # a probe is not a call anyone's hooks should see
+            spread = float(module.gate_proj(x).float().std())
+            if spread > 0:
+                x = (x.float() * (PROBE_GATE_STD / spread)).to(dtype)
             got = module.forward(x)
-            want = module.down_proj(F.silu(module.gate_proj(x)) * module.up_proj(x))
-    except Exception as e:  # noqa: BLE001 - a module that cannot run on [2, H] is not an MLP site
+            gate, up = module.gate_proj(x), module.up_proj(x)
+            want = module.down_proj(F.silu(gate) * up)
+            others = [(name, module.down_proj(act(gate) * up)) for name, act in _LOOKALIKES]
+    except Exception as e:  # noqa: BLE001 - a module that cannot run on [4, H] is not an MLP site
         return f"probe failed ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
         return "probe: output is not a tensor of down_proj's output shape"
+    act = type(getattr(module, "act_fn", None)).__name__
     diff = float((got.float() - want.float()).abs().max())
     if not diff <= _PROBE_TOL[dtype] * (float(want.float().abs().max()) or 1.0):
-        act = type(getattr(module, "act_fn", None)).__name__
         return f"probe: act_fn ({act}) is not SiLU: output differs from down_proj(silu(gate) * up) (max abs diff " \
                f"{diff:.3g})"
+    for name, other in others:
+        if float((got.float() - other.float()).abs().max()) < diff:
+            return f"probe: act_fn ({act}) computes {name}, not SiLU (closer to down_proj({name.lower()}(gate) * up))"
     return ""
 
 
