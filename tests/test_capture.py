@@ -304,3 +304,27 @@ def test_merging_into_a_file_whose_ids_end_in_other_digits(tiny_loaded, sample_i
     info = capture(model, sample_inputs).save(path)
     ids = [c["id"] for c in json.loads(path.read_text())["test_cases"]]
     assert info["added"] > 0 and len(set(ids)) == len(ids) and ids[0] == "rms_norm_\u00b2"
+
+
+def _capture_cases():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("capture_cases", ROOT / "scripts" / "capture_cases.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(_capture_cases().RECIPES))
+def test_a_committed_case_file_is_what_capture_writes_now(name, tmp_path):
+    """tests/cases/*.json are captured, not edited: scripts/capture_cases.py's recipe for each, run now, writes the
+    committed file byte for byte (a capture whose sites, counts or arguments changed makes the committed cases
+    stale, and this fails until they are captured again)."""
+    from pypto_gym import hardware
+
+    if name.startswith("gutenocr") and not hardware.native_bf16():
+        pytest.skip("GutenOCR-3B's bf16 captures need native bf16 to run in minutes (AVX512-BF16 or AMX)")
+    _capture_cases().capture(name, tmp_path / name)
+    assert (tmp_path / name).read_text() == (ROOT / "tests" / "cases" / name).read_text(), \
+        f"tests/cases/{name} is stale: run python scripts/capture_cases.py {name}"
