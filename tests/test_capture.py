@@ -134,6 +134,7 @@ def _quant(c):
     """Turn a rms_norm case into a rms_norm_dynamic_quant case (same shapes)."""
     c["op"] = "rms_norm_dynamic_quant"
     c["output"] = {}
+    c["input"].pop("cast_mode", None)  # the quant norm has no cast mode
 
 
 MALFORMED = [  # (mutation, field named, words of the message)
