@@ -804,3 +804,53 @@ def test_a_bf16_w8a8_model_whose_down_proj_quantises_its_own_rows_gives_its_logi
     live = want.abs().amax(-1) > 0
     assert torch.isfinite(got).all()
     assert float(torch.nn.functional.cosine_similarity(got[live], want[live], dim=-1).min()) > 0.99
+
+
+def _perturbed(model, gen):
+    """The same model with layer 0's MLP and attention weights moved (as a fine-tune or a LoRA merge would)."""
+    deltas = {}
+    for name, p in model.named_parameters():
+        if ".layers.0." in name and name.endswith("proj.weight"):
+            deltas[name] = (torch.randn(p.shape, generator=gen) * 0.05).to(p.dtype)
+    return deltas
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "lora merge through .data", "a new Parameter",
+                                    "replace gate_proj"])
+def test_int8_weights_follow_a_float_weight_changed_after_patching(tiny_loaded, sample_inputs, change):
+    """The int8 weights were a snapshot: new weights loaded after patching left the model computing with the old
+    ones (the merged gate/up GEMM too). Now a changed float weight is quantised again at its next call (a
+    replaced module runs as it is), so the model computes what patching the new weights gives."""
+    base = tiny_loaded[0]
+    deltas = _perturbed(base, torch.Generator().manual_seed(5))
+    target = copy.deepcopy(base)
+    with torch.no_grad():
+        for name, d in deltas.items():
+            target.get_parameter(name).add_(d)
+    model = copy.deepcopy(base)
+    report = patch_model(model, backend="cpu", quant="w8a8")
+    stale = _logits(model, sample_inputs)
+    with torch.no_grad():
+        if change == "load_state_dict":
+            model.load_state_dict({k: v for k, v in target.state_dict().items() if k in deltas}, strict=False)
+        elif change == "lora merge through .data":
+            for name, d in deltas.items():
+                model.get_parameter(name).data += d  # what peft's merge does: no version counter sees it
+        elif change == "a new Parameter":
+            for name, d in deltas.items():
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, torch.nn.Parameter(target.get_parameter(name).clone()))
+        else:
+            mlp = model.get_submodule("model.language_model.layers.0.mlp")
+            mlp.gate_proj = copy.deepcopy(target.get_submodule("model.language_model.layers.0.mlp.gate_proj"))
+    got = _logits(model, sample_inputs)
+    assert not torch.equal(got, stale)
+    if change == "replace gate_proj":  # a float gate_proj now: the MLP runs its modules, counted
+        mlp_row = next(r for r in report.to_json()["sites"] if r["path"] == "model.language_model.layers.0.mlp")
+        assert any("replaced after patching" in why for why in mlp_row["quant"]["bypassed"])
+        return
+    fresh = copy.deepcopy(target)
+    patch_model(fresh, backend="cpu", quant="w8a8")
+    assert torch.equal(got, _logits(fresh, sample_inputs))
+    rows = {r["path"]: r for r in report.to_json()["w8a8"]["linears"]}
+    assert all(rows[name.removesuffix(".weight")]["requantised"] == 1 for name in deltas)

@@ -124,5 +124,7 @@ def _w8a8_lines(q: dict) -> list[str]:
     lines += [header, "-" * len(header)]
     for r in q["linears"]:
         notes = [r["input"]] + [f"{k} x{v}" for k, v in r["fallbacks"].items()]
+        if r.get("requantised"):
+            notes.append(f"quantised again after its float weight changed x{r['requantised']}")
         lines.append(f"{r['path']:<{w}} {r['became']:<9} {r['backend'] or '':<10} {r['calls']:>6}  {'; '.join(notes)}")
     return lines

@@ -61,11 +61,44 @@ class QuantLinear(SwappedForward):
                              f"into it); a calibration file cannot apply")
         self.stored = stored is not None
         self.w_q, self.w_scale = stored if stored is not None else quantize_weight(module.weight, smooth)
+        self._quantised_from = self._float_weight_now()
+        self.merged_into = None  # the QuantMlp whose one gate/up GEMM holds this weight (quant/mlp.py)
+        self.requantised = 0  # times the float weight changed after patching and was quantised again
         self.stats = Stats(site=linear_kind(path))  # a recorder files its quant_matmul calls under it
         self.float_weight_shared = False  # the float weight is also another module's (tied embeddings)
         self.handed_over = 0  # calls that took the norm's int8 rows as they were
         self.quantized_here = 0  # calls that quantised their float input per row
         self.released_bytes = 0  # the float weight's bytes, once release() dropped it
+
+    def _float_weight_now(self):
+        """What says the float weight is the one quantised: the Parameter, its version counter (in-place edits:
+        load_state_dict, no_grad updates), its storage, and a strided sample of its values (an edit through
+        `.data`, as peft's LoRA merge does, bumps no version counter)."""
+        w = self.module._parameters["weight"]
+        sample = None if w.is_meta or w.dim() != 2 else w[::max(1, w.shape[0] // 4), ::max(1, w.shape[1] // 4)]
+        return w, w._version, w.data_ptr(), sample, None if sample is None else sample.clone()
+
+    def refresh(self) -> None:
+        """Quantise the weight again if the float one changed since (a load_state_dict, a LoRA merge, a new
+        Parameter): the int8 copy is not a snapshot of the weight at patch time. Eager calls only (a version
+        counter is not traceable; a compiled graph is compiled against the weights it saw). An edit through
+        `.data` is seen where it changes the sampled values (any dense update does; a single element off the
+        sample is not)."""
+        w = self.module._parameters["weight"]
+        was, version, ptr, sample, values = self._quantised_from
+        if w is was and w._version == version and w.data_ptr() == ptr and (sample is None or
+                                                                              torch.equal(sample, values)):
+            return
+        if self.stored or self.released_bytes:
+            raise RuntimeError(f"{self.path}: its float weight was replaced after patching, but this int8 linear "
+                               f"{'was loaded from an int8 checkpoint' if self.stored else 'released its float weight'}"
+                               f": there is nothing to quantise it from; load or patch the model again")
+        smooth = None if self.inv_smooth is None else 1.0 / self.inv_smooth.float()
+        self.w_q, self.w_scale = quantize_weight(w, smooth)
+        self._quantised_from = self._float_weight_now()
+        self.requantised += 1
+        if self.merged_into is not None:
+            self.merged_into.remerge()
 
     def release(self) -> None:
         """Drop the float weight (a deployment): the module's `weight` becomes a meta tensor of its shape and
@@ -74,6 +107,7 @@ class QuantLinear(SwappedForward):
         self.released_bytes = w.numel() * w.element_size()
         self.module._parameters["weight"] = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"),
                                                                requires_grad=False)
+        self._quantised_from = self._float_weight_now()
 
     def row(self) -> dict:
         m, stats = self.module, self.stats
@@ -82,7 +116,7 @@ class QuantLinear(SwappedForward):
                 "backend": stats.backend or self.backend, "calls": self.handed_over + self.quantized_here,
                 "ran_on": dict(stats.ran),  # op calls: quant_matmul, and dynamic_quant where quantised here
                 "fallbacks": dict(stats.fallbacks), "handed_over": self.handed_over,
-                "quantized_here": self.quantized_here,
+                "quantized_here": self.quantized_here, "requantised": self.requantised,
                 "float_weight_bytes": m.weight.numel() * m.weight.element_size(),
                 "float_weight_shared": self.float_weight_shared, "float_weight_released": self.released_bytes > 0,
                 "int8_weight_bytes": self.w_q.numel() + 4 * self.w_scale.numel()}
@@ -99,8 +133,10 @@ def quant_linear_forward(module, x):
                                f"this int8 linear's float weight {why}: there is no float path to run; switch it "
                                f"on, or load the float model")
         return ql.original(x)
-    got = None if ql.source is None else activations.handed_over(x, ql.source)
     counted = not torch.compiler.is_compiling()  # a counter read inside a graph is a guard: eager calls only
+    if counted:
+        ql.refresh()
+    got = None if ql.source is None else activations.handed_over(x, ql.source)
     if got is None:
         if isinstance(x, (activations.QuantRows, activations.TracedRows)):
             x = x.value()  # escaped, or another norm's rows: quantise the float values they stand for

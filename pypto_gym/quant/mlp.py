@@ -33,6 +33,12 @@ class QuantMlp(activations.Producer):
         gate.w_q, up.w_q = w_q[:I], w_q[I:]
         gate.w_scale, up.w_scale = w_scale[:I], w_scale[I:]
         self.merged = (w_q, w_scale, gate, up)
+        gate.merged_into = up.merged_into = self
+
+    def remerge(self) -> None:
+        """One of the two weights was quantised again (QuantLinear.refresh): merge the current halves."""
+        _, _, gate, up = self.merged
+        self.merge(gate, up)
 
     def row(self) -> dict:
         return {**super().row(), "gate_up_int32_gemm": self.merged is not None, "int32_calls": self.int32_calls}
@@ -41,9 +47,16 @@ class QuantMlp(activations.Producer):
         """(q, scale) of the norm's int8 rows if the int32 path can take them exactly, else None."""
         if self.merged is None or x.device.type != "cpu":
             return None
+        _, _, gate, up = self.merged
+        if module.gate_proj is not gate.module or module.up_proj is not up.module:
+            self.count("gate_proj or up_proj replaced after patching: the modules run")
+            return None
         if has_hooks(module.gate_proj) or has_hooks(module.up_proj):
             return None  # hooks that expect to see gate_proj's and up_proj's outputs
-        return activations.handed_over(x, self.merged[2].source)
+        if not torch.compiler.is_compiling():
+            gate.refresh()  # a weight changed since patching is quantised again (and merged again) first
+            up.refresh()
+        return activations.handed_over(x, gate.source)
 
     def forward(self, site, module, x):
         rows = self._handed_rows(module, x)
