@@ -854,3 +854,23 @@ def test_int8_weights_follow_a_float_weight_changed_after_patching(tiny_loaded, 
     assert torch.equal(got, _logits(fresh, sample_inputs))
     rows = {r["path"]: r for r in report.to_json()["w8a8"]["linears"]}
     assert all(rows[name.removesuffix(".weight")]["requantised"] == 1 for name in deltas)
+
+
+@pytest.mark.parametrize("int8_lm_head", [False, True])
+def test_what_leaves_a_w8a8_model_is_a_plain_tensor(tiny_loaded, sample_inputs, tmp_path, int8_lm_head):
+    """The final norm's output is last_hidden_state / hidden_states[-1]: as a QuantRows it had no numpy(), tolist(),
+    storage or pickle a user could use. The final norm hands nothing over (an int8 lm_head quantises its rows)."""
+    from safetensors.torch import save_file
+
+    model = copy.deepcopy(tiny_loaded[0])
+    patch_model(model, backend="cpu", quant="w8a8", int8_lm_head=int8_lm_head)
+    with torch.no_grad():
+        out = model(**sample_inputs, output_hidden_states=True)
+        base = model.model(**sample_inputs)
+    for t in (out.hidden_states[-1], base.last_hidden_state, *out.hidden_states):
+        assert type(t) is torch.Tensor and t.data_ptr() != 0
+    last = out.hidden_states[-1]
+    assert last.float().numpy().shape == tuple(last.shape) and len(last.tolist()) == last.shape[0]
+    save_file({"h": last.contiguous()}, str(tmp_path / "h.safetensors"))
+    torch.save(last, tmp_path / "h.pt")
+    assert torch.equal(torch.load(tmp_path / "h.pt"), last)
