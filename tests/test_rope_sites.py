@@ -218,3 +218,61 @@ def test_the_probe_reads_each_function_by_its_math():
     form, reason = rope_rule.probe(text_fn, 16)
     assert reason == "" and (form.unsqueeze_dim, form.cast_mode) == (1, "hf")
     assert form.mrope == hasattr(qwen2_5_vl, "apply_multimodal_rotary_pos_emb")
+
+
+def _tiny_olmo2(dtype):
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    cfg = Olmo2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, eos_token_id=None, pad_token_id=None,
+                      bos_token_id=None)
+    torch.manual_seed(0)
+    return Olmo2ForCausalLM(cfg).to(dtype).eval()
+
+
+def test_the_rotary_verdict_is_per_dtype_and_keeps_hfs_output_dtype():
+    """Olmo2's rotary embedding hands fp32 cos/sin to bf16 q/k and its function casts the results back to q's dtype.
+    After an fp32 Olmo2 was patched, a bf16 one reused that first-call verdict and the op's hf mode returned fp32
+    (SDPA then raised). The probe now sees the cast back, the verdict is per dtype: both models are bit-identical
+    to their unpatched selves on torch, and run on cpu."""
+    ids = torch.randint(0, 120, (1, 9), generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16):
+        model = _tiny_olmo2(dtype)
+        with torch.no_grad():
+            want = model(ids).logits
+        fused = copy.deepcopy(model)
+        report = pypto_gym.patch_model(model, backend="torch")
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, want)
+        rows = [r for r in report.to_json()["sites"] if "rope" in r["kind"]]
+        assert rows and all(r["status"] == "patched" and r["calls"] > 0 and r["rotary"]["rejected"] is None
+                            for r in rows), rows
+        pypto_gym.patch_model(fused, backend="cpu")
+        with torch.no_grad():
+            got = fused(ids).logits
+        assert got.dtype == want.dtype and float(torch.nn.functional.cosine_similarity(
+            got.flatten().float(), want.flatten().float(), 0)) > 0.9999
+
+
+def test_a_rotary_function_monkeypatched_after_one_patch_is_the_one_the_next_patch_probes(monkeypatch):
+    """The rotary function was frozen per class at the first patch: after a monkeypatch every later model of the
+    class named (and probed) a function no longer in use."""
+    from transformers.models.olmo2 import modeling_olmo2
+
+    first = _tiny_olmo2(torch.float32)
+    pypto_gym.patch_model(first, backend="torch")
+    original = modeling_olmo2.apply_rotary_pos_emb
+
+    def replacement_rotary(q, k, cos, sin, unsqueeze_dim=1):
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    monkeypatch.setattr(modeling_olmo2, "apply_rotary_pos_emb", replacement_rotary)
+    second = _tiny_olmo2(torch.float32)
+    report = pypto_gym.patch_model(second, backend="torch")
+    rows = [r for r in report.to_json()["sites"] if "rope" in r["kind"]]
+    assert rows and all(r["status"] == "patched" and r["rotary"]["function"] == "replacement_rotary" for r in rows)
+    ids = torch.randint(0, 120, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        second(ids)
+    assert all(r["calls"] > 0 and not r["fusion_bypassed"] for r in pypto_gym.patch_report(second).to_json()["sites"]
+               if "rope" in r["kind"])

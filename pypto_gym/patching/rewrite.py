@@ -9,8 +9,8 @@ class module's own globals (live, so a later monkeypatch of that module is still
 is added to them. A class whose forward has no pattern, or whose source cannot be read or
 recompiled, is left alone and the reason reported.
 
-A rewrite must not change a module's result unnoticed: the first eager call of each rewritten class
-runs the original and the rewritten forward on copies of the same inputs, both on the reference
+A rewrite must not change a module's result unnoticed: the first eager call of each rewritten class (per
+dtype and device of its parameters) runs the original and the rewritten forward on copies of the same inputs, both on the reference
 backend with torch hooks set aside, and compares them. On a mismatch (or if the check cannot run)
 every module of that class goes back to its original forward, with the reason in the report. The
 installed forward is a `functools.partial` of a module-level function and the compiled function is
@@ -35,7 +35,7 @@ _DOC_ONLY_DECORATORS = {"auto_docstring", "add_start_docstrings", "add_start_doc
                         "replace_return_docstrings", "add_code_sample_docstrings"}
 CHECK_REL_TOL = 2e-2  # of the output's magnitude: above nondeterminism, far below a wrong rewrite
 _cache: dict = {}  # (class, key) -> (function, what changed, reason)
-_verified: dict = {}  # (class, key) -> True, or the reason the rewrite was rejected
+_verified: dict = {}  # (class, key, (dtype, device)) -> True, or the reason the rewrite was rejected
 
 
 def name_is(node, ident=None) -> bool:
@@ -115,7 +115,12 @@ class RewrittenForward:
 
     @property
     def rewrite_key(self):
-        return type(self.module), self.key
+        """What a verdict holds for: the class, the rewrite, and the dtype and device the module computes in (the
+        first call of an fp32 model says nothing of a bf16 one: dtype promotions differ)."""
+        anchor = self.__dict__.get("_anchor")
+        if anchor is None:
+            anchor = self._anchor = next(self.module.parameters(), False)
+        return type(self.module), self.key, anchor is not False and (anchor.dtype, anchor.device.type)
 
     def build(self):
         raise NotImplementedError

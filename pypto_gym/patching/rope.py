@@ -43,10 +43,12 @@ _forms: dict = {}  # rotary function -> (Form, reason)
 
 
 class Form:
-    """How one rotary function's arguments map onto the op: found by the probe."""
+    """How one rotary function's arguments map onto the op: found by the probe. `cast_back`: the function rounds
+    its results to q's and k's dtypes (Olmo2's, with fp32 cos and sin), where the op's hf mode keeps the dtype
+    the products promote to (Llama's)."""
 
-    def __init__(self, fn, unsqueeze_dim: int, cast_mode: str):
-        self.fn, self.unsqueeze_dim, self.cast_mode = fn, unsqueeze_dim, cast_mode
+    def __init__(self, fn, unsqueeze_dim: int, cast_mode: str, cast_back: bool = False):
+        self.fn, self.unsqueeze_dim, self.cast_mode, self.cast_back = fn, unsqueeze_dim, cast_mode, cast_back
         self.signature = inspect.signature(fn)
         names = list(self.signature.parameters)
         self.mrope = "mrope_section" in names
@@ -73,7 +75,7 @@ class Form:
         return q, k, cos, sin, section, unsqueeze
 
 
-def _probe_inputs(fn_mrope: bool, vision: bool, D: int, dtype=torch.bfloat16):
+def _probe_inputs(fn_mrope: bool, vision: bool, D: int, dtype=torch.bfloat16, angle_dtype=torch.bfloat16):
     gen = torch.Generator().manual_seed(0)
     if vision:
         q, k = torch.randn(3, 2, D, generator=gen), torch.randn(3, 1, D, generator=gen)
@@ -84,7 +86,33 @@ def _probe_inputs(fn_mrope: bool, vision: bool, D: int, dtype=torch.bfloat16):
     cos, sin = (torch.randn(cos_shape, generator=gen) for _ in range(2))
     half = D // 2
     section = [half - 2 * (half // 3), half // 3, half // 3] if fn_mrope else []
-    return [t.to(dtype) for t in (q, k, cos, sin)], section
+    return [q.to(dtype), k.to(dtype), cos.to(angle_dtype), sin.to(angle_dtype)], section
+
+
+# what the probe runs each form on: one dtype throughout, and bf16 q/k with fp32 cos/sin (Olmo2's rotary
+# embedding returns fp32 angles): a function that casts back to q's dtype differs only there
+PROBE_DTYPES = ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32))
+
+
+def _form_result(fn, mrope, vision, unsqueeze_dim, cast_mode, cast_back, D):
+    """(True, 0) if `fn` equals the golden in this form on every probe dtype pair, else (False, closest diff)."""
+    closest = 0.0
+    for dtype, angle_dtype in PROBE_DTYPES:
+        (q, k, cos, sin), section = _probe_inputs(mrope, vision, D, dtype, angle_dtype)
+        try:
+            with torch.no_grad():
+                got = fn(q, k, cos, sin, section) if mrope else fn(q, k, cos, sin)
+            want = ROPE.golden(q, k, cos, sin, section, unsqueeze_dim, cast_mode)
+        except Exception:  # noqa: BLE001 - a form the function cannot take is not its form
+            return False, float("inf")
+        if cast_back:
+            want = (want[0].to(q.dtype), want[1].to(k.dtype))
+        if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(g, torch.Tensor) for g in got)
+                and all(g.shape == w.shape and g.dtype == w.dtype for g, w in zip(got, want))):
+            return False, float("inf")
+        if not all(torch.equal(g, w) for g, w in zip(got, want)):
+            return False, max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want))
+    return True, closest
 
 
 def probe(fn, D: int):
@@ -103,19 +131,14 @@ def probe(fn, D: int):
                                               (True, -2, "hf")):
         if vision and mrope:
             continue
-        (q, k, cos, sin), section = _probe_inputs(mrope, vision, D)
-        try:
-            with torch.no_grad():
-                got = fn(q, k, cos, sin, section) if mrope else fn(q, k, cos, sin)
-            want = ROPE.golden(q, k, cos, sin, section, unsqueeze_dim, cast_mode)
-        except Exception:  # noqa: BLE001 - a form the function cannot take is not its form
-            continue
-        if (isinstance(got, tuple) and len(got) == 2 and all(isinstance(g, torch.Tensor) for g in got)
-                and all(g.shape == w.shape and g.dtype == w.dtype for g, w in zip(got, want))):
-            if all(torch.equal(g, w) for g, w in zip(got, want)):
-                result = Form(fn, unsqueeze_dim, cast_mode), ""
+        for cast_back in (False, True):
+            ok, diff = _form_result(fn, mrope, vision, unsqueeze_dim, cast_mode, cast_back, D)
+            if ok:
+                result = Form(fn, unsqueeze_dim, cast_mode, cast_back), ""
                 break
-            closest = min(closest, max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want)))
+            closest = min(closest, diff)
+        if result[0] is not None:
+            break
     if result[0] is None:
         result = None, (f"probe: {fn.__name__} is not a rotate-half rotation of q and k in any form the op has "
                         f"(closest max abs diff {closest:.3g})")
@@ -138,16 +161,17 @@ def _rotary_calls(fdef, module_globals):
     return found
 
 
-_rotary_of: dict = {}  # class -> (function or None, reason)
+_rotary_of: dict = {}  # class -> (name of its rotary function or None, reason)
 
 
 def rotary_function(cls):
     """(function, '') for the one rotary call in cls.forward; (None, '') when it has none (not a candidate);
-    (None, why not) when it cannot be read or has several."""
+    (None, why not) when it cannot be read or has several. The source is read once per class; the function is
+    the one its module holds now (a function monkeypatched since an earlier patch is the one probed)."""
+    module_globals = getattr(inspect.unwrap(cls.forward), "__globals__", {})
     if cls not in _rotary_of:
         try:
             fdef = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body[0]
-            module_globals = inspect.unwrap(cls.forward).__globals__
             calls = _rotary_calls(fdef, module_globals) if isinstance(fdef, ast.FunctionDef) else []
         except (OSError, TypeError, SyntaxError):
             calls = []  # a forward without readable source is not recognisable as an attention
@@ -156,8 +180,9 @@ def rotary_function(cls):
         elif len(calls) > 1:
             _rotary_of[cls] = None, f"{cls.__name__}.forward has {len(calls)} rotary calls; expected one"
         else:
-            _rotary_of[cls] = module_globals[calls[0][2]], ""
-    return _rotary_of[cls]
+            _rotary_of[cls] = calls[0][2], ""
+    name, reason = _rotary_of[cls]
+    return (None, reason) if name is None else (module_globals.get(name), "")
 
 
 def _norm_statement(stmt, norm: str):
@@ -268,11 +293,15 @@ class RopeSite(RewrittenForward, Site):
         try:
             if self.norms:
                 qw, kw = (s.module._parameters["weight"] for s in self.norms)
-                return self.call(q, k, qw, kw, cos, sin, section, unsqueeze)
-            return self.call(q, k, cos, sin, section, unsqueeze)
+                out = self.call(q, k, qw, kw, cos, sin, section, unsqueeze)
+            else:
+                out = self.call(q, k, cos, sin, section, unsqueeze)
         except (ArgTypeError, ArgValueError) as e:
             self.bypass(f"the op refused the call ({str(e)[:80]})")
             return self._unfused(fn, args, kwargs)
+        if self.form.cast_back:
+            return out[0].to(q.dtype), out[1].to(k.dtype)
+        return out
 
     def _unfused(self, fn, args, kwargs):
         if self.norms:  # the rewritten forward dropped the norms: apply them first (per head: exact)
