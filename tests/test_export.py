@@ -1,6 +1,8 @@
 """`pypto-gym export` / quant.export: a W8A8 model as a compressed-tensors checkpoint, checked against its real
 consumers: transformers' from_pretrained (through compressed-tensors) and pypto-gym's own loader."""
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -539,3 +541,105 @@ def test_a_loaded_model_switched_off_says_its_float_weights_were_never_loaded(ex
             _logits(loaded, _inputs(processor, family))
     finally:
         pypto_gym.set_enabled(True)
+
+
+# ---- damaged checkpoints: one line naming the file and the problem, exit 2 (issue 27, defect 7) -----------------
+@pytest.fixture(scope="module")
+def qwen3_exports(tmp_path_factory):
+    """The tiny Qwen3's W8A8 export in both formats (default options)."""
+    root = tmp_path_factory.mktemp("q3")
+    for fmt in export.FORMATS:
+        assert cli_main(["export", "--model", str(models.FAMILIES["qwen3"].TINY_DIR), "--format", fmt,
+                         str(root / fmt)]) == 0
+    return root
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _scale_of(weights, name, value):
+    t = load_file(str(weights))
+    t[name] = torch.full_like(t[name], value)
+    save_file(t, str(weights), metadata={"format": "pt"})
+
+
+Q3_O = "model.layers.0.self_attn.o_proj"
+DAMAGES = {  # name -> (format, edit(dir), words of the one-line refusal)
+    "truncated weights": ("compressed-tensors", lambda d: (d / "model.safetensors").write_bytes(
+        (d / "model.safetensors").read_bytes()[:5000]), "model.safetensors is not a readable safetensors file"),
+    "garbage weights": ("compressed-tensors", lambda d: (d / "model.safetensors").write_bytes(b"\x00garbage" * 99),
+                        "model.safetensors is not a readable safetensors file"),
+    "config a list": ("compressed-tensors", lambda d: (d / "config.json").write_text("[1, 2]"),
+                      "config.json holds a JSON list; expected an object"),
+    "config a string": ("compressed-tensors", lambda d: (d / "config.json").write_text('"x"'),
+                        "config.json holds a JSON str; expected an object"),
+    "config not JSON": ("compressed-tensors", lambda d: (d / "config.json").write_text("{"),
+                        "config.json is not valid JSON"),
+    "description a list": ("msmodelslim", lambda d: (d / export.MSMODELSLIM_JSON).write_text("[]"),
+                           "quant_model_description.json holds a JSON list"),
+    "dtype bogus": ("compressed-tensors", lambda d: (d / "config.json").write_text(
+        (d / "config.json").read_text().replace('"dtype": "bfloat16"', '"dtype": "bogus"')),
+        "config.json dtype 'bogus'; expected"),
+    "absurd scale": ("compressed-tensors", lambda d: _scale_of(d / "model.safetensors", f"{Q3_O}.weight_scale", 3e38),
+                     f"tensor '{Q3_O}.weight_scale': a dequantised weight of up to"),
+    "subnormal scale": ("compressed-tensors", lambda d: _scale_of(d / "model.safetensors", f"{Q3_O}.weight_scale",
+                                                                 1e-40), "has subnormal values"),
+    "group size": ("compressed-tensors", lambda d: _edit_group(d, "weights", "group_size", 128),
+                   "config_groups.group_0.weights.group_size is 128; expected None"),
+    "static activations": ("compressed-tensors", lambda d: _edit_group(d, "input_activations", "dynamic", False),
+                           "input_activations.dynamic is False; expected True"),
+    "unknown field": ("compressed-tensors", lambda d: _edit_group(d, "weights", "zero_point_shift", 1),
+                      "weights.zero_point_shift is a field the loader does not know"),
+    "targets": ("compressed-tensors", lambda d: _edit_group(d, None, "targets", ["Embedding"]),
+                "targets is ['Embedding']; expected ['Linear']"),
+    "ignore contradicts": ("compressed-tensors", lambda d: _edit_qc(d, "ignore", ["lm_head", Q3_O]),
+                           f"ignore keeps {Q3_O} float, but its weight is int8"),
+    "ignore missing": ("compressed-tensors", lambda d: _edit_qc(d, "ignore", []),
+                       "lm_head is not in quantization_config.ignore"),
+}
+
+
+def _edit_qc(d, key, value):
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"][key] = value
+    (d / "config.json").write_text(json.dumps(config))
+
+
+def _edit_group(d, part, key, value):
+    config = json.loads((d / "config.json").read_text())
+    group = config["quantization_config"]["config_groups"]["group_0"]
+    (group if part is None else group[part])[key] = value
+    (d / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_int8_checkpoint_is_refused_in_one_line(qwen3_exports, tmp_path, capsys, damage):
+    fmt, edit, words = DAMAGES[damage]
+    bad = _copy(qwen3_exports / fmt, tmp_path / "bad")
+    edit(bad)
+    assert cli_main(["infer", "--model", str(bad), "--use_pto", "--quant", "w8a8", "--max-new-tokens", "1"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and words in err[0] and "Traceback" not in err[0], err
+
+
+def test_an_all_zero_int8_linear_loads_and_is_said(qwen3_exports, tmp_path):
+    bad = _copy(qwen3_exports / "compressed-tensors", tmp_path / "zero")
+    _scale_of(bad / "model.safetensors", f"{Q3_O}.weight_scale", 0.0)
+    with pytest.warns(RuntimeWarning, match=f"int8 linear {Q3_O} is all zeros"):
+        export.load(bad, backend="cpu")
+
+
+def test_a_fifo_named_like_the_weights_is_not_opened(qwen3_exports, tmp_path):
+    """A FIFO named model.safetensors hung the loader (open() waits for a writer): only regular files are read."""
+    import os
+
+    bad = _copy(qwen3_exports / "compressed-tensors", tmp_path / "fifo")
+    (bad / "model.safetensors").unlink()
+    os.mkfifo(bad / "model.safetensors")
+    proc = subprocess.run([sys.executable, "-m", "pypto_gym.cli", "infer", "--model", str(bad), "--use_pto", "--quant",
+                           "w8a8"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "model.safetensors is not a regular file" in proc.stderr, proc.stderr

@@ -33,9 +33,11 @@ def check_model_dir(path) -> Path:
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"--model: {p} has no config.json")
     try:
-        json.loads((p / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--model: {p / 'config.json'} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        config = json.loads((p / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--model: {p / 'config.json'} is not valid JSON ({str(e).splitlines()[0][:100]})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--model: {p / 'config.json'} holds a JSON {type(config).__name__}; expected an object")
     if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
         raise FileNotFoundError(f"--model: {p} has no *.safetensors weights")
     return p

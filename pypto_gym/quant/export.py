@@ -24,7 +24,9 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -219,27 +221,57 @@ def _smoothing_factors(model, plan) -> dict:
 SIDECAR = "pypto_gym_export.json"  # what export wrote beyond the format: the tied linears quantised from a float table
 
 
+_INT8 = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "block_structure": None}
+_SCHEME = {  # every field of a config group the kernels depend on, and the one value they run
+    "weights": {**_INT8, "strategy": "channel", "dynamic": False, "actorder": None},
+    "input_activations": {**_INT8, "strategy": "token", "dynamic": True, "actorder": None},
+}
+_FREE = {"observer", "observer_kwargs", "scale_dtype", "zp_dtype"}  # how it was calibrated or stored: not ours to run
+_EMPTY_OR_NONE = ("kv_cache_scheme", "sparsity_config", "transform_config")
+
+
 def _check_scheme(where: str, qc) -> None:
     """The one scheme the fused kernels run: int8 symmetric per-channel weights, int8 symmetric dynamic per-token
-    activations, `int-quantized`; anything else refused naming the field."""
+    activations, `int-quantized`, Linear targets, no output activations, KV-cache scheme, sparsity or transform.
+    Every field is checked: one the loader does not know, or a value other than this scheme's, is refused naming
+    the field (a field silently ignored would run another scheme as this one)."""
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
-        raise ValueError(f"{where}: quantization_config.quant_method {None if not isinstance(qc, dict) else qc.get('quant_method')!r}; "
-                         f"expected 'compressed-tensors'")
+        raise ValueError(f"{where}: quantization_config.quant_method "
+                         f"{None if not isinstance(qc, dict) else qc.get('quant_method')!r}; expected 'compressed-tensors'")
     if qc.get("format") not in ("int-quantized", "naive-quantized"):
         raise ValueError(f"{where}: quantization_config.format {qc.get('format')!r}; expected 'int-quantized'")
+    for key in _EMPTY_OR_NONE:
+        if qc.get(key):
+            raise ValueError(f"{where}: quantization_config.{key} is {qc[key]!r}; the int8 kernels run none")
+    if not isinstance(qc.get("ignore", []), list):
+        raise ValueError(f"{where}: quantization_config.ignore is {qc.get('ignore')!r}; expected a list of names")
     groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
+    if not isinstance(groups, dict) or len(groups) != 1:
         raise ValueError(f"{where}: quantization_config.config_groups has {len(groups)} groups; expected one")
     (name, group), = groups.items()
-    w, a = group.get("weights") or {}, group.get("input_activations") or {}
-    want = [("weights", w, {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}),
-            ("input_activations", a, {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
-                                      "dynamic": True})]
-    for label, got, fields in want:
+    if not isinstance(group, dict):
+        raise ValueError(f"{where}: config_groups.{name} is {group!r}; expected an object")
+    if group.get("format") not in (None, qc.get("format")):
+        raise ValueError(f"{where}: config_groups.{name}.format {group.get('format')!r} contradicts "
+                         f"quantization_config.format {qc.get('format')!r}")
+    if group.get("targets") != ["Linear"]:
+        raise ValueError(f"{where}: config_groups.{name}.targets is {group.get('targets')!r}; expected ['Linear']")
+    if group.get("output_activations") is not None:
+        raise ValueError(f"{where}: config_groups.{name}.output_activations is set; the int8 kernels quantise no "
+                         f"outputs")
+    unknown = sorted(set(group) - {"format", "targets", "output_activations", *_SCHEME})
+    if unknown:
+        raise ValueError(f"{where}: config_groups.{name}.{unknown[0]} is a field the loader does not know")
+    for label, fields in _SCHEME.items():
+        got = group.get(label)
+        if not isinstance(got, dict):
+            raise ValueError(f"{where}: config_groups.{name}.{label} is {got!r}; expected an object")
+        for key in sorted(set(got) - set(fields) - _FREE):
+            raise ValueError(f"{where}: config_groups.{name}.{label}.{key} is a field the loader does not know")
         for key, value in fields.items():
-            if got.get(key) != value:
-                raise ValueError(f"{where}: config_groups.{name}.{label}.{key} is {got.get(key)!r}; expected {value!r} "
-                                 f"(W8A8: int8 per-channel weights, int8 dynamic per-token activations)")
+            if got.get(key, None if value is None else "absent") != value:
+                raise ValueError(f"{where}: config_groups.{name}.{label}.{key} is {got.get(key, 'absent')!r}; expected "
+                                 f"{value!r} (W8A8: int8 per-channel weights, int8 dynamic per-token activations)")
 
 
 def _check_description(where: str, description: dict, tensors: dict) -> None:
@@ -268,29 +300,71 @@ def _check_description(where: str, description: dict, tensors: dict) -> None:
             raise ValueError(f"{where}: tensor {name!r} is int8 but {MSMODELSLIM_JSON} types it {named[name]!r}")
 
 
-def _read_tensors(path: Path) -> dict:
+def _regular(path: Path) -> bool:
+    """A regular file (os.stat): a FIFO or a device named like a checkpoint file is never opened (it would hang)."""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+def read_json(path: Path, where: str) -> dict:
+    """A checkpoint's JSON file as a dict, or one line naming the file and what is wrong with it."""
+    if not _regular(path):
+        raise FileNotFoundError(f"{where}: {path.name} is missing or not a regular file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{where}: {path.name} is not valid JSON ({str(e).splitlines()[0][:100]})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: {path.name} holds a JSON {type(data).__name__}; expected an object")
+    return data
+
+
+def _read_tensors(path: Path, where: str) -> dict:
+    """Every tensor of the checkpoint's *.safetensors files (regular files only), a damaged one named."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(f for f in path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors file")
+        raise FileNotFoundError(f"{where}: no *.safetensors file")
     out = {}
     for f in files:
-        out.update(load_file(str(f)))
+        if not _regular(f):
+            raise ValueError(f"{where}: {f.name} is not a regular file")
+        try:
+            out.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{where}: {f.name} is not a readable safetensors file (truncated or damaged: "
+                             f"{str(e).splitlines()[0][:100]})") from None
     return out
 
 
 def int8_format(path) -> str | None:
-    """'msmodelslim' or 'compressed-tensors' when `path` is a W8A8 checkpoint directory of that format, else None."""
+    """'msmodelslim' or 'compressed-tensors' when `path` is a W8A8 checkpoint directory of that format, else None
+    (a config.json that cannot be read says nothing here: loading it refuses it, naming the problem)."""
     path = Path(path)
     if (path / MSMODELSLIM_JSON).is_file():
         return "msmodelslim"
-    config = path / "config.json"
-    if config.is_file():
-        qc = json.loads(config.read_text()).get("quantization_config")
-        if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
-            return "compressed-tensors"
+    try:
+        qc = read_json(path / "config.json", str(path)).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+    if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
+        return "compressed-tensors"
     return None
+
+
+def _model_dtype(where: str, config: dict, dtype: str):
+    """The dtype to build the model in: `dtype`, else config.json's (`dtype`, or 4.x's `torch_dtype`), which is
+    checked either way (a damaged config is refused, not overridden)."""
+    name = config.get("dtype", config.get("torch_dtype"))
+    got = torch.float32 if name is None else getattr(torch, name.replace("torch.", ""), None) \
+        if isinstance(name, str) else None
+    if got not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{where}: config.json dtype {name!r}; expected 'float32', 'bfloat16' or 'float16'")
+    return got if dtype == "auto" else getattr(torch, dtype)
 
 
 def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", **patch_options):
@@ -308,16 +382,16 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
 
     path = Path(path)
     where = f"checkpoint {path}"
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{where}: no config.json")
-    tensors = _read_tensors(path)
-    if (path / MSMODELSLIM_JSON).is_file():
-        _check_description(where, json.loads((path / MSMODELSLIM_JSON).read_text()), tensors)
+    config_json = read_json(path / "config.json", where)
+    tensors = _read_tensors(path, where)
+    if (path / MSMODELSLIM_JSON).exists():
+        _check_description(where, read_json(path / MSMODELSLIM_JSON, where), tensors)
     else:
-        _check_scheme(where, json.loads((path / "config.json").read_text()).get("quantization_config"))
-    family = models.family(json.loads((path / "config.json").read_text()).get("model_type"))
+        _check_scheme(where, config_json.get("quantization_config"))
+    family = models.family(config_json.get("model_type"))
+    torch_dtype = _model_dtype(where, config_json, dtype)
     tensors = _module_names(tensors, family)
-    sidecar = json.loads((path / SIDECAR).read_text()) if (path / SIDECAR).is_file() else {}
+    sidecar = read_json(path / SIDECAR, where) if (path / SIDECAR).exists() else {}
     scales = {k[:-len(".weight_scale")] for k in tensors if k.endswith(".weight_scale")}
     stored = {}
     for lin in sorted(scales):
@@ -330,17 +404,19 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
         if not s.is_floating_point() or tuple(s.shape) not in ((w.shape[0], 1), (w.shape[0],)):
             raise ValueError(f"{where}: tensor '{lin}.weight_scale' is {str(s.dtype).replace('torch.', '')} "
                              f"{list(s.shape)}; expected a float [{w.shape[0]}, 1] (one scale per output channel)")
-        if not torch.isfinite(s).all() or (s < 0).any():
-            raise ValueError(f"{where}: tensor '{lin}.weight_scale' has values that are not finite and >= 0")
         stored[lin] = (tensors.pop(f"{lin}.weight"), tensors.pop(f"{lin}.weight_scale").reshape(-1).to(torch.float32))
+        _check_weight_scale(where, lin, *stored[lin], torch_dtype)
     for name, t in tensors.items():
         if t.dtype == torch.int8:
             raise ValueError(f"{where}: tensor {name!r} is int8 but has no '{name.rpartition('.')[0]}.weight_scale'")
-    config = AutoConfig.from_pretrained(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{where}: config.json is not a config transformers reads ({str(e).splitlines()[0][:120]})") \
+            from None
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     cls = AutoModelForImageTextToText if family.MULTIMODAL else AutoModelForCausalLM
-    torch_dtype = getattr(torch, dtype) if dtype != "auto" else getattr(config, "dtype", None) or torch.float32
     with no_init_weights():
         model = cls.from_config(config, dtype=torch_dtype)
     model.tie_weights()  # a tied lm_head is the embedding's tensor, written once
@@ -377,6 +453,8 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
         if p not in linears or p in stored:
             raise ValueError(f"{where}: {SIDECAR} names {p!r} as a linear quantised from its float table; the "
                              f"model has {'its int8 weight' if p in stored else 'no such linear'}")
+    if not (path / MSMODELSLIM_JSON).exists():  # msModelSlim types every tensor (checked above); this, its ignore
+        _check_ignore(where, config_json["quantization_config"].get("ignore", []), family, stored, tied, linears)
     float_paths = [p for p, m in model.named_modules() if isinstance(m, torch.nn.Linear) and p not in stored
                    and p not in tied]
     head = output_embedding(model)
@@ -391,6 +469,40 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
     from ..models.qwen2_5_vl import Processor
 
     return model, (Processor if family.MULTIMODAL else TextProcessor)(path), family, report
+
+
+def _check_weight_scale(where: str, lin: str, w_q, w_scale, dtype) -> None:
+    """Scales the int8 kernels can run in `dtype`: finite, >= 0, normal (a subnormal scale is a damaged file), and
+    small enough that a dequantised weight times an activation of the model's range stays finite (a finite but
+    absurd 3e38 gave NaN logits); an all-zero linear loads, said once (a checkpoint with a linear zeroed out)."""
+    name = f"{where}: tensor '{lin}.weight_scale'"
+    if not torch.isfinite(w_scale).all() or (w_scale < 0).any():
+        raise ValueError(f"{name} has values that are not finite and >= 0")
+    tiny = torch.finfo(torch.float32).tiny
+    if ((w_scale > 0) & (w_scale < tiny)).any():
+        raise ValueError(f"{name} has subnormal values (below {tiny:.3g}): not a scale an int8 weight is written with")
+    limit = torch.finfo(dtype).max ** 0.5  # weight x activation: each may take half of the dtype's range
+    largest = float(w_scale.max()) * 127 if w_scale.numel() else 0.0
+    if largest > limit:
+        raise ValueError(f"{name}: a dequantised weight of up to {largest:.3g} overflows {str(dtype).replace('torch.', '')} "
+                         f"in a product with the activations (expected |127 * scale| <= {limit:.3g})")
+    if not w_q.any() or not w_scale.any():
+        warnings.warn(f"{where}: int8 linear {lin} is all zeros (its weight or every scale): it outputs its bias only",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _check_ignore(where: str, ignore: list, family, stored: dict, tied: set, linears: set) -> None:
+    """quantization_config's `ignore` against the weights: a linear it keeps float has no int8 weight, and every
+    other linear (its config group targets every Linear) has one, or is a tied one quantised from its table."""
+    names = set(_module_names({f"{n}.weight": None for n in ignore if isinstance(n, str)}, family))
+    ignored = {n[:-len(".weight")] for n in names}
+    both = sorted(ignored & set(stored))
+    if both:
+        raise ValueError(f"{where}: quantization_config.ignore keeps {both[0]} float, but its weight is int8")
+    missing = sorted(linears - ignored - set(stored) - tied)
+    if missing:
+        raise ValueError(f"{where}: {missing[0]} is not in quantization_config.ignore (the config group targets every "
+                         f"Linear) but has no int8 weight")
 
 
 def _module_names(tensors: dict, family) -> dict:
