@@ -15,7 +15,7 @@ import torch
 from pypto_gym import ops
 from pypto_gym.ops import OPS
 
-from support import run_on
+from support import assert_close, run_on
 
 qwen2_5_vl = importlib.import_module("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
 qwen3 = importlib.import_module("transformers.models.qwen3.modeling_qwen3")
@@ -181,3 +181,56 @@ def test_qk_norm_rope_is_qwen3s_norms_then_its_rotation(dtype):
     exact = OPS["rope"].golden(*exact_norm, cos.double(), sin.double())
     for got, want in zip(fp32, exact):  # one rounding of the fp64 value, plus fp32 steps
         assert float((got.double() - want).abs().max()) <= 2 * torch.finfo(dtype).eps * float(want.abs().max())
+
+
+def _strided_calls(dtype):
+    """Views HF never hands over but a user may: a last dim with stride 2, cos/sin every other column of a wider
+    table, a cos expanded along its last dim (stride 0)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, cos, sin = hf_text_inputs(dtype, B=1, S=5, H=4, Hk=2, D=32, seed=3)
+    wide_q = torch.randn(1, 4, 5, 64, generator=gen).to(dtype)
+    table = torch.randn(1, 5, 64, generator=gen).to(dtype)
+    flat = torch.randn(1, 5, 1, generator=gen).to(dtype).expand(1, 5, 32)
+    return {"q[..., ::2]": (wide_q[..., ::2], k, cos, sin),
+            "cos, sin = table[..., ::2]": (q, k, table[..., ::2], table[..., 1::2]),
+            "cos expanded along D": (q, k, flat, flat.neg())}
+
+
+@pytest.mark.parametrize("op_name", ["rope", "qk_norm_rope"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_takes_a_strided_last_dim_as_the_golden_does(op_name, dtype):
+    """The cpu kernels step along D by one element: q[..., ::2] or a strided cos gave errors of 6.6-21, a cos
+    expanded along D read past its storage. Such inputs are copied first; results equal the golden's."""
+    op = OPS[op_name]
+    for what, (q, k, cos, sin) in _strided_calls(dtype).items():
+        if op_name == "rope":
+            args = (q, k, cos, sin, [], 1, "hf")
+        else:
+            w = torch.rand(32, generator=torch.Generator().manual_seed(1)).to(dtype) + 0.5
+            args = (q, k, w, w.flip(0), cos, sin, [], 1e-6, 1e-5, 1, "hf")
+        got, want = run_on("cpu", op, args), op.golden(*args)
+        assert_close(got, want, op.outputs)  # rope: bit-identical; qk_norm_rope: its norm's sum order differs
+        assert op_name == "qk_norm_rope" or all(torch.equal(g, w_) for g, w_ in zip(got, want)), what
+        assert all(g.stride() == w_.stride() for g, w_ in zip(got, want)), what
+
+
+@pytest.mark.parametrize("backend", ["cpu", "pypto"])
+@pytest.mark.parametrize("empty", ["q", "k"])
+def test_with_one_of_q_and_k_empty_the_other_is_still_rotated(backend, empty):
+    """The kernels rotated nothing when either was empty and returned the other output uninitialised."""
+    if backend == "pypto":
+        from pypto_gym.ops import registry
+
+        if registry.get("pypto").unavailable_reason():
+            pytest.skip(registry.get("pypto").unavailable_reason())
+    q, k, cos, sin = hf_text_inputs(torch.float32, B=1, S=3, H=2, Hk=2, D=16)
+    if empty == "q":
+        q = q[:, :0]
+    else:
+        k = k[:, :0]
+    w = torch.rand(16, generator=torch.Generator().manual_seed(2)) + 0.5
+    for op, args in ((OPS["rope"], (q, k, cos, sin, [], 1, "hf")),
+                     (OPS["qk_norm_rope"], (q, k, w, w * 2, cos, sin, [], 1e-6, 1e-6, 1, "hf"))):
+        got, want = run_on(backend, op, args), op.golden(*args)
+        for g, w_ in zip(got, want):
+            assert g.shape == w_.shape and torch.allclose(g, w_, rtol=1e-5, atol=1e-6), op.name

@@ -402,9 +402,29 @@ def out_dtypes(q, k, cos, cast_mode):
 _plans: dict = {}  # kind of call -> (output dtypes, the kernels' geometry or None where the layout needs copies)
 
 
+def pairwise(q, k, cos, cast_mode, run):
+    """`run(q, k, which)` -> (q_embed, k_embed) for a kernel that takes q and k together and rotates nothing when
+    either is empty: with one of them empty, the other is rotated alone (passed as both; `which` says whose weights
+    and eps go with it) and the empty output made, as the golden gives both."""
+    if q.numel() and k.numel():
+        return run(q, k, "qk")
+    oq, ok = _outputs(q, k, cos, cast_mode)
+    if q.numel():
+        oq = run(q, q, "qq")[0]
+    elif k.numel():
+        ok = run(k, k, "kk")[1]
+    return oq, ok
+
+
 def _cpu_call(entry, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode, *extra):
     """Run a C++ rope kernel: outputs made like q and k (rope.like) by the kernel, the layout read from the
-    per-signature plan, the tensors where they are; a layout that needs copies goes through a Layout."""
+    per-signature plan, the tensors where they are; a layout that needs copies goes through a Layout. The kernels
+    step along D by one element: an input whose last dim is strided (q[..., ::2], a cos expanded along D) is
+    copied first, and the outputs laid out as the golden's (like q and k)."""
+    if any(t.stride(-1) != 1 and t.shape[-1] > 1 for t in (q, k, cos, sin)):
+        oq, ok = _cpu_call(entry, *(t.contiguous() if t.stride(-1) != 1 else t for t in (q, k, cos, sin)),
+                           mrope_section, unsqueeze_dim, cast_mode, *extra)
+        return like(q, oq), like(k, ok)
     key = (q.shape, q.stride(), k.shape, k.stride(), cos.shape, cos.stride(), sin.stride(), q.dtype, cos.dtype,
            tuple(mrope_section), unsqueeze_dim, cast_mode)
     plan = _plans.get(key)
@@ -441,14 +461,27 @@ def _outputs(q, k, cos, cast_mode):
 # ---- cpu: fused C++ (rope.cpp) ---------------------------------------------------------------------------
 @ROPE.impl("cpu", supports=lambda backend, q, k, cos, *rest: _angles_supported(cos))
 def _(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode):
-    return _cpu_call(backend.ext.rope, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode)
+    return pairwise(q, k, cos, cast_mode, lambda a, b, _: _cpu_call(backend.ext.rope, a, b, cos, sin, mrope_section,
+                                                                    unsqueeze_dim, cast_mode))
+
+
+def norm_args(which, q_weight, k_weight, q_eps, k_eps):
+    """The (q, k) weights and eps of `pairwise`'s call: q's twice when q is rotated alone, k's twice for k."""
+    pick = {"q": (q_weight, q_eps), "k": (k_weight, k_eps)}
+    (wa, ea), (wb, eb) = pick[which[0]], pick[which[1]]
+    return wa, wb, ea, eb
 
 
 @QK_NORM_ROPE.impl("cpu", supports=lambda backend, q, k, qw, kw, cos, *rest: _angles_supported(cos))
 def _(backend, q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps, unsqueeze_dim, cast_mode):
     D = q.shape[-1]
-    return _cpu_call(backend.ext.qk_norm_rope, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode,
-                     q_weight.reshape(D).contiguous(), k_weight.reshape(D).contiguous(), float(q_eps), float(k_eps))
+    qw, kw = q_weight.reshape(D).contiguous(), k_weight.reshape(D).contiguous()
+
+    def run(a, b, which):
+        wa, wb, ea, eb = norm_args(which, qw, kw, float(q_eps), float(k_eps))
+        return _cpu_call(backend.ext.qk_norm_rope, a, b, cos, sin, mrope_section, unsqueeze_dim, cast_mode, wa, wb,
+                         ea, eb)
+    return pairwise(q, k, cos, cast_mode, run)
 
 
 # ---- npu: torch_npu.npu_apply_rotary_pos_emb / npu_rotary_mul ---------------------------------------------
@@ -650,28 +683,31 @@ def _pypto_supports(backend, q, k, cos, *rest):
 
 @ROPE.impl("pypto", supports=_pypto_supports)
 def _(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode):
-    oq, ok = _outputs(q, k, cos, cast_mode)
-    if q.numel() and k.numel():
+    def run(q, k, _):
+        oq, ok = _outputs(q, k, cos, cast_mode)
         lay = Layout(q, k, cos, sin, mrope_section, unsqueeze_dim)
         x3, planes, sections = _pypto_inputs(lay, mrope_section)
         backend.launch("rope", rope_kernel, x3[0], [*x3, *planes], _pypto_outputs(lay, (oq, ok)),
                        [int(cast_mode == "hf"), *sections], tiles=rope_tiles(x3[0].shape[0], lay.Hq, lay.D))
         lay.finish()
-    return oq, ok
+        return oq, ok
+    return pairwise(q, k, cos, cast_mode, run)
 
 
 @QK_NORM_ROPE.impl("pypto", supports=lambda backend, q, k, qw, kw, cos, *rest: _pypto_supports(backend, q, k, cos))
 def _(backend, q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps, unsqueeze_dim, cast_mode):
-    oq, ok = _outputs(q, k, cos, cast_mode)
-    if q.numel() and k.numel():
+    def run(q, k, which):
+        qw, kw, qe, ke = norm_args(which, q_weight, k_weight, q_eps, k_eps)
+        oq, ok = _outputs(q, k, cos, cast_mode)
         lay = Layout(q, k, cos, sin, mrope_section, unsqueeze_dim)
         x3, planes, sections = _pypto_inputs(lay, mrope_section)
         D = lay.D
         # [1, H, D]: PyPTO broadcasts one axis at a time (a [1, 1, D] weight over [T, H, D] is refused)
-        weights = [w.reshape(1, 1, D).expand(1, H, D).contiguous() for w, H in ((q_weight, lay.Hq), (k_weight, lay.Hk))]
+        weights = [w.reshape(1, 1, D).expand(1, H, D).contiguous() for w, H in ((qw, lay.Hq), (kw, lay.Hk))]
         backend.launch("qk_norm_rope", qk_norm_rope_kernel, x3[0], [*x3, *weights, *planes],
                        _pypto_outputs(lay, (oq, ok)),
-                       [int(cast_mode == "hf"), *sections, float(q_eps), float(k_eps), 1.0 / D],
+                       [int(cast_mode == "hf"), *sections, float(qe), float(ke), 1.0 / D],
                        tiles=rope_tiles(x3[0].shape[0], lay.Hq, D))
         lay.finish()
-    return oq, ok
+        return oq, ok
+    return pairwise(q, k, cos, cast_mode, run)
