@@ -15,7 +15,7 @@ from torch import nn
 import pypto_gym
 from pypto_gym.patching import rope as rope_rule
 
-from models import tiny_llama, tiny_qwen3
+from models import randomise_norm_weights, tiny_llama, tiny_qwen3
 
 qwen3 = importlib.import_module("transformers.models.qwen3.modeling_qwen3")
 qwen2_5_vl = importlib.import_module("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
@@ -227,7 +227,27 @@ def _tiny_olmo2(dtype):
                       num_key_value_heads=2, max_position_embeddings=64, eos_token_id=None, pad_token_id=None,
                       bos_token_id=None)
     torch.manual_seed(0)
-    return Olmo2ForCausalLM(cfg).to(dtype).eval()
+    model = Olmo2ForCausalLM(cfg).eval()
+    randomise_norm_weights(model)  # one rounding or two only differ with weights other than ones
+    return model.to(dtype)
+
+
+def test_a_one_rounding_norm_is_patched_with_its_own_rounding():
+    """Olmo2's RMSNorm (and T5's, GPT-OSS's, Olmo3's...) multiplies the weight with the fp32 normalised x and
+    rounds once; HF-Llama's rounds twice. The probe tells them apart, the site runs the module's own rounding (the
+    fp32 cast mode), and the torch backend is bit-identical in bf16, q/k norms and residual fusion included."""
+    model = _tiny_olmo2(torch.bfloat16)
+    ids = torch.randint(0, 120, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+    report = pypto_gym.patch_model(model, backend="torch")
+    norms = [r for r in report.to_json()["sites"] if r["op"] == "rms_norm"]
+    assert norms and all(r["status"] == "patched" and r["cast_mode"] == "fp32" for r in norms), norms
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+    qwen = tiny_qwen3().to(torch.bfloat16)  # Llama-style norms keep the two roundings
+    rows = pypto_gym.patch_model(qwen, backend="torch").to_json()["sites"]
+    assert {r["cast_mode"] for r in rows if r["op"] == "rms_norm"} == {"hf"}
 
 
 def test_the_rotary_verdict_is_per_dtype_and_keeps_hfs_output_dtype():

@@ -52,8 +52,11 @@ def eps_of(module) -> float | None:
     return None
 
 
-def _probe(module, weight: torch.Tensor, eps: float) -> str:
-    """'' if the module computes the hf RMSNorm formula, else why not."""
+def _probe(module, weight: torch.Tensor, eps: float) -> tuple[str, str]:
+    """('', cast mode) if the module computes the RMSNorm formula, else (why not, ''). The cast mode is how it
+    rounds: "hf" (Llama/Qwen: the normalised x rounded to x's dtype, then times the weight) unless its output is
+    bit-identical to the one-rounding form instead, "fp32" (T5/Olmo2/GPT-OSS: the weight times the fp32
+    normalised x, rounded once), which HF-style code cannot tell from its class name."""
     hook = getattr(module, "_hf_hook", None)  # accelerate: weights may live elsewhere until pre_forward
     device = getattr(hook, "execution_device", None) or weight.device
     dtype = weight.dtype if weight.is_floating_point() and weight.dtype in _PROBE_TOL else torch.float32
@@ -72,14 +75,19 @@ def _probe(module, weight: torch.Tensor, eps: float) -> str:
                 finally:
                     hook.post_forward(module, x)
     except Exception as e:  # noqa: BLE001 - a module that cannot run on [2, D] is not an RMSNorm site
-        return f"probe failed ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+        return f"probe failed ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})", ""
     if not isinstance(y, torch.Tensor) or y.shape != expected.shape:
-        return "probe: output is not a tensor of the input's shape"
+        return "probe: output is not a tensor of the input's shape", ""
+    if not torch.equal(y, expected) and y.dtype == x.dtype:
+        with torch.no_grad():
+            one_rounding = RMS_NORM.golden(x, weight if hook is None else module.weight, eps, "fp32")
+        if torch.equal(y, one_rounding):
+            return "", "fp32"
     diff = float((y.float() - expected.float()).abs().max())
     scale = float(expected.float().abs().max()) or 1.0
     if not diff <= _PROBE_TOL[dtype] * scale:
-        return f"probe: output differs from the RMSNorm formula (max abs diff {diff:.3g})"
-    return ""
+        return f"probe: output differs from the RMSNorm formula (max abs diff {diff:.3g})", ""
+    return "", "hf"
 
 
 class NormSite(Site):
@@ -90,8 +98,10 @@ class NormSite(Site):
     def __init__(self, cand: Candidate, options):
         super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
         self.eps = cand.info["eps"]
-        self.call = RMS_NORM.bind(options.backend, self.stats, eps=self.eps, cast_mode=options.cast_mode)
-        self.add_call = ADD_RMS_NORM.bind(options.backend, self.stats, eps=self.eps, cast_mode=options.cast_mode)
+        # "hf" (the default) means as the module rounds: HF-Llama's two roundings, or the one its probe found
+        self.cast_mode = cand.info["cast_mode"] if options.cast_mode == "hf" else options.cast_mode
+        self.call = RMS_NORM.bind(options.backend, self.stats, eps=self.eps, cast_mode=self.cast_mode)
+        self.add_call = ADD_RMS_NORM.bind(options.backend, self.stats, eps=self.eps, cast_mode=self.cast_mode)
         self.fused = False
         self.fused_into = None  # "qk_norm_rope at <attention path>": the rotary site normalises for this norm
         self.bypassed: dict[str, int] = {}  # fused calls that ran unfused, by reason
@@ -100,7 +110,7 @@ class NormSite(Site):
     def details(self) -> dict:
         w = self.module.weight
         return {"D": int(w.shape[0]), "eps": self.eps, "dtype": dtype_name(w.dtype), "device": str(w.device),
-                "fused_residual": self.fused, "fused_into": self.fused_into, "fusion_bypassed": dict(self.bypassed),
+                "cast_mode": self.cast_mode, "fused_residual": self.fused, "fused_into": self.fused_into, "fusion_bypassed": dict(self.bypassed),
                 "quant": None if self.quant is None else self.quant.row()}
 
 
@@ -153,7 +163,7 @@ class NormRule(Rule):
         eps = eps_of(module)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
             return None
-        cand = Candidate(self, path, module, norm_kind(path), info={"eps": eps})
+        cand = Candidate(self, path, module, norm_kind(path), info={"eps": eps, "cast_mode": "hf"})
         if module._parameters.get("weight") is not weight:
             cand.reason = "weight is not a registered nn.Parameter"
         elif weight.is_meta and getattr(module, "_hf_hook", None) is None:
@@ -161,7 +171,7 @@ class NormRule(Rule):
             if not (name.endswith("RMSNorm") and "Gemma" not in name):
                 cand.reason = f"meta device: {name} is not recognised as an RMSNorm by name"
         else:
-            cand.reason = _probe(module, weight, eps)
+            cand.reason, cand.info["cast_mode"] = _probe(module, weight, eps)
         return cand
 
     def install(self, cand, options):

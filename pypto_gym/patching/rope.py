@@ -353,7 +353,9 @@ class RopeRule(Rule):
     def install(self, cand, options):
         if cand.kind == "text.qk_norm_rope":
             sites = tuple(norm_site(getattr(cand.module, n)) for n in _NORMS)
-            if all(s is not None for s in sites) and RopeSite.rewrite(type(cand.module), fused=True)[0] is not None:
+            # the fused op rounds its norm as HF-Llama does: a one-rounding q/k norm keeps its own site
+            if all(s is not None and s.cast_mode == options.cast_mode for s in sites) \
+                    and RopeSite.rewrite(type(cand.module), fused=True)[0] is not None:
                 cand.info["norms"] = sites
         site = RopeSite(cand, options)
         site.install()

@@ -89,6 +89,7 @@ class Site(SwappedForward):
 def _row(path, paths, kind, op, status, reason) -> dict:
     return {"path": path, "paths": list(paths), "kind": kind, "op": op, "status": status, "reason": reason,
             "backend": None, "requested_backend": None, "D": None, "eps": None, "dtype": None, "device": None,
+            "cast_mode": None,
             "fused_residual": False, "fused_into": None, "fusion_bypassed": {}, "quant": None, "rotary": None,
             "calls": 0, "ran_on": {}, "fallbacks": {}}
 
