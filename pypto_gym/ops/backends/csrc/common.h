@@ -2,7 +2,7 @@
 //
 // The cpu backend compiles every op's source as one translation unit per instruction-set level
 // (cpu.py picks the level the CPU runs):
-//   avx512bf16: AVX-512 + the BF16 extension (vdpbf16ps sums, vcvtneps2bf16 rounding),
+//   avx512bf16: AVX-512 + the BF16 extension (vdpbf16ps sums, vcvtneps2bf16 rounding, subnormals by integers),
 //   avx512:     AVX-512F/BW/DQ, bf16 rounding by integer arithmetic,
 //   avx2:       AVX2 + FMA + F16C, 8 floats a step,
 //   generic:    plain C++ (any other CPU).
@@ -120,16 +120,20 @@ struct DAcc {  // 16 double lanes
   inline double sum() const { return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi)); }
 };
 inline V widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-#if !defined(__AVX512BF16__)
 inline __m512i bf16_rne(V v) {  // v rounded to bf16 (round to nearest even), bits still in the high half
   __m512i u = _mm512_castps_si512(v);
   return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
 }
-#endif
 inline __m256i bf16_pack(V v) {
 #if defined(__AVX512BF16__)
-  return (__m256i)_mm512_cvtneps_pbh(v);
+  // vcvtneps2bf16 treats subnormal inputs as zero whatever MXCSR says; torch rounds them: such lanes (rare) by
+  // the integer rounding, so a bf16 subnormal survives as it does in torch
+  const __m256i fast = (__m256i)_mm512_cvtneps_pbh(v);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(1.17549435e-38f), _CMP_LT_OQ) &
+                         _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+  if (!tiny) return fast;
+  return _mm256_mask_mov_epi16(fast, tiny, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rne(v), 16)));
 #else
   __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   __m512i r = _mm512_mask_mov_epi32(_mm512_srli_epi32(bf16_rne(v), 16), nan, _mm512_set1_epi32(0x7FC0));
