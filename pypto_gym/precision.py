@@ -1,7 +1,11 @@
 """Comparison metrics and the pass rule of SPEC 5, shared by tests, the case runner and benchmarks.
 
 MERE/MARE are the mean/max relative error with a 1e-7 floor on the golden; the threshold T
-depends on the output dtype. Quantised outputs are judged by how many codes differ (at most 0.1%,
+depends on the output dtype. A rotation's outputs (rope, qk_norm_rope: kind "rotation") are relative to
+the larger of |g| and the rms of g's head vector instead: an output near zero is a cancellation of two
+products (x_i cos - x_j sin), where one ulp of the vector's scale (an fp32 norm summed in another order, as
+the cpu qk_norm_rope's fp64 sum of squares is) is a large error relative to the output itself and a
+negligible one for the rotated vector; a wrong element still errs by the vector's scale. Quantised outputs are judged by how many codes differ (at most 0.1%,
 and at least one code is always allowed: a tie at .5 flipped by a last-bit difference of the row's
 rms is not a defect even in a 100-element tensor) and by how much, and their scales by relative error.
 """
@@ -43,7 +47,8 @@ def _cosine(a: torch.Tensor, g: torch.Tensor) -> float:
 
 def compare(actual: torch.Tensor, golden: torch.Tensor, name: str = "output", kind: str | None = None) -> Comparison:
     """Compare one output against its golden under the rule for its kind: "codes" (integer outputs),
-    "scale" (quantisation scales), "float" (the relative rule for its dtype); by default the kind
+    "scale" (quantisation scales), "float" (the relative rule for its dtype), "rotation" (the same, relative
+    to the head vector's scale near zero), "exact" (integer sums); by default the kind
     follows the dtype, and a name starting with "scale"."""
     if actual.shape != golden.shape:
         return Comparison(name, float("inf"), 0.0, float("inf"), float("inf"), False,
@@ -60,6 +65,9 @@ def compare(actual: torch.Tensor, golden: torch.Tensor, name: str = "output", ki
     a_f, g_f = a[finite], g[finite]
     diff = (a_f - g_f).abs()
     rel = diff / (g_f.abs() + 1e-7)
+    if kind == "rotation":  # relative to the larger of |g| and its vector's rms: see ROTATION below
+        rms = g.nan_to_num(0, 0, 0).pow(2).mean(-1, keepdim=True).sqrt().expand_as(g)[finite]
+        rel = diff / (torch.maximum(g_f.abs(), rms) + 1e-7)
     max_abs = float(diff.max()) if diff.numel() else 0.0
     mare = float(rel.max()) if rel.numel() else 0.0
     mere = float(rel.mean()) if rel.numel() else 0.0

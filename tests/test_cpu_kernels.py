@@ -243,3 +243,26 @@ def test_bf16_subnormals_survive_as_in_torch(op_name):
     got, want = run_on("cpu", op, args), op.golden(*args)
     for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
         assert torch.equal(g, w)
+
+
+def test_fp32_qk_norm_rope_on_cpu_meets_the_rotation_rule_on_many_random_inputs():
+    """About 1% of random fp32 inputs failed SPEC 5's per-element rule by a few ulp at outputs near zero (the cpu
+    norm sums its squares in fp64, torch in fp32: one ulp of rsqrt, then a cancellation). The rule rotations
+    meet is relative to the head vector's rms there (precision.py); 300 random calls all meet it."""
+    op = OPS["qk_norm_rope"]
+    example = {"Q": (1, 4, 5), "K": (1, 2, 5), "C": (1, 5), "D": 64, "E": 64, "dtype": torch.float32}
+    for seed in range(300):
+        args = op.example_args(example, seed)
+        assert_close(run_on("cpu", op, args), op.golden(*args), op.outputs)
+
+
+def test_the_rotation_rule_forgives_an_ulp_of_scale_near_zero_and_nothing_more():
+    from pypto_gym.precision import compare
+
+    golden = torch.tensor([[1e-6, 1.0, -0.5, 0.25]])
+    near_zero = golden.clone()
+    near_zero[0, 0] += 2.4e-7  # two ulp of the vector's scale on a cancelled output
+    wrong = golden.clone()
+    wrong[0, 2] = -0.45
+    assert not compare(near_zero, golden, kind="float").passed and compare(near_zero, golden, kind="rotation").passed
+    assert not compare(wrong, golden, kind="rotation").passed

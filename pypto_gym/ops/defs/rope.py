@@ -258,7 +258,7 @@ ROPE = Op(rope, [
     Ints("mrope_section", default=()),
     Int("unsqueeze_dim", default=1, low=-8, high=8, kw_only=True),
     Choice("cast_mode", CAST_MODES, default="hf", kw_only=True),
-], [Output("q_embed"), Output("k_embed")], check=_check_rope, min_dims={"D": 2, "E": 2},
+], [Output("q_embed", "rotation"), Output("k_embed", "rotation")], check=_check_rope, min_dims={"D": 2, "E": 2},
     backward=Backward(ROPE_NAMES, _rope_grads(ROPE_NAMES)), examples=ROPE_EXAMPLES,
     bench=BenchSpec(_bench_shapes, _hf_rope, lambda a: (lambda: (a[0].clone(), a[1].clone())), "clone() of q and k",
                     ROPE_GOALS, hf_kernels=_hf_kernels))
@@ -311,7 +311,7 @@ QK_NORM_ROPE = Op(qk_norm_rope, [
     Float("k_eps", default=1e-6, low=0.0),
     Int("unsqueeze_dim", default=1, low=-8, high=8, kw_only=True),
     Choice("cast_mode", CAST_MODES, default="hf", kw_only=True),
-], [Output("q_embed"), Output("k_embed")], check=_check_qk_norm_rope, min_dims={"D": 2, "E": 2},
+], [Output("q_embed", "rotation"), Output("k_embed", "rotation")], check=_check_qk_norm_rope, min_dims={"D": 2, "E": 2},
     backward=Backward(QK_NAMES, _rope_grads(QK_NAMES)),
     examples=({"Q": (1, 4, 5), "K": (1, 2, 5), "C": (1, 5), "D": 64, "E": 64},
               {"Q": (1, 4, 3), "K": (1, 2, 3), "C": (1, 3), "D": 128, "E": 128, "cast_mode": "fp32"},
