@@ -247,3 +247,10 @@ def test_as_avx2_runs_w8a8_on_the_int16_gemm_under_onednns_avx2_cap():
     assert "(kernel level avx2)" in out.stdout and "ONEDNN_MAX_CPU_ISA=AVX2" in out.stdout
     assert "int8 GEMM on this CPU: the cpu kernels' int16 multiply-add GEMM (avx2" in out.stdout
     assert "W8A8: 50/51 linears int8" in out.stdout and "fallbacks=0;" in out.stdout
+
+
+def test_bench_e2e_refuses_an_int8_checkpoint_it_would_time_decompressed(tmp_path, capsys):
+    out = tmp_path / "ct"
+    assert main(["export", "--model", str(ROOT / "modeling" / "tiny_qwen3"), str(out)]) == 0
+    assert main(["bench", "e2e", "--model", str(out)]) == 2
+    assert "is an int8 checkpoint; bench e2e times a float model" in capsys.readouterr().err

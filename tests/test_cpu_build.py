@@ -91,3 +91,13 @@ def test_the_build_folder_is_keyed_by_content_not_by_install_path(monkeypatch):
     here = cpu.build_dir("avx2")
     monkeypatch.setattr(torch, "__file__", "/another/clone/.venv/lib/torch/__init__.py")
     assert cpu.build_dir("avx2") == here
+
+
+def test_an_unusable_kernel_cache_is_blamed_on_pypto_gym_cache(tmp_path):
+    """A PYPTO_GYM_CACHE that cannot hold the kernels fell back to torch with a reason that did not say where the
+    folder came from."""
+    (tmp_path / "a_file").write_text("x")
+    code = "from pypto_gym.ops import registry; print(registry.get('cpu').unavailable_reason())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYPTO_GYM_CACHE": str(tmp_path / "a_file" / "cache")})
+    assert "must be a writable folder: set PYPTO_GYM_CACHE" in proc.stdout, proc.stdout + proc.stderr

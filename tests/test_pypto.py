@@ -367,3 +367,10 @@ def test_bench_pypto_and_bench_layer_run_and_write_their_json(tmp_path):
     assert len(parts) == 3
     for part in parts.values():
         assert part["totals"]["hf_kernels"] > 5 * part["totals"]["fused_kernels"] == 25
+
+
+def test_each_call_that_compiles_says_so_on_stderr(capfd):
+    """`infer --backend pypto` was silent for minutes: every call PyPTO compiles and simulates is named on stderr."""
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    run("rms_norm", x, torch.ones(64, dtype=torch.bfloat16), 1e-6)
+    assert "pypto-gym: PyPTO compiles and simulates rms_norm on [2, 64] bfloat16" in capfd.readouterr().err

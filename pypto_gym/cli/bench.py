@@ -109,7 +109,12 @@ def cmd_bench_ops(args) -> int:
 
 def cmd_bench_e2e(args) -> int:
     from ..bench import e2e_bench
+    from ..quant import export
 
+    if args.model and export.int8_format(args.model):  # transformers would decompress it: a float model, "unpatched"
+        raise UserError(f"--model: {args.model} is an int8 checkpoint; bench e2e times a float model against itself "
+                        f"patched (give the float checkpoint, with --quant w8a8 for the W8A8 variant; `infer --model "
+                        f"{args.model} --use_pto --quant w8a8` times the export as stored)")
     json_path, png_path = bench_outputs(args, "e2e")
     return e2e_bench.run(args.num_layers, args.vision_depth, args.repeats, args.max_new_tokens, args.image,
                          args.quick, json_path, png_path, args.dtype, args.quant, args.model)

@@ -463,8 +463,10 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
                          int8_lm_head=int8_head, **patch_options)
     lost = [lin for lin in stored if quant_linear_of(model.get_submodule(lin)) is None]
     if lost:
-        raise ValueError(f"{where}: int8 linear {lost[0]} could not run int8 here (its producer stays float: "
-                         f"{report.to_json()['w8a8']['skipped_producers'][:1]})")
+        skipped = report.to_json()["w8a8"]["skipped_producers"]
+        why = (f"its producer stays float: {skipped[0]['path']}: {skipped[0]['reason']}" if skipped else
+               "no patched norm or MLP produces its rows: a `sites` selection that leaves them out?")
+        raise ValueError(f"{where}: int8 linear {lost[0]} could not run int8 here ({why})")
     from ..models.common import TextProcessor
     from ..models.qwen2_5_vl import Processor
 

@@ -210,6 +210,9 @@ class CpuBackend(Backend):
             except Exception as e:  # noqa: BLE001 - reported as the reason every call falls back
                 first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
                 self._error = f"C++ kernels failed to build ({type(e).__name__}: {first})"
+                if isinstance(e, OSError) and str(config.cache_dir()) in str(e):
+                    self._error += (f"; the kernel cache {config.cache_dir()} must be a writable folder: set "
+                                    f"PYPTO_GYM_CACHE to one")
             self.build_seconds = time.perf_counter() - t0
         return self._ext
 

@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import stat
+import sys
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -175,6 +176,9 @@ class PyptoBackend(Backend):
             return
         kernel = self._kernel(x.device.type, name, factory, tiles.nbuffer)
         pypto_compat.ensure_calculator()  # a first build says so on the terminal, not in PyPTO's log
+        shapes = ", ".join(f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in inputs[:2])
+        print(f"pypto-gym: PyPTO compiles and simulates {name} on {shapes} (SIM with pass-verify: seconds to "
+              f"minutes a call; the verified result is cached)", file=sys.stderr, flush=True)
         scratch = pypto_compat.scratch_dir()
         try:
             with pypto_compat.quiet(scratch / "pypto.log"):
