@@ -874,3 +874,19 @@ def test_what_leaves_a_w8a8_model_is_a_plain_tensor(tiny_loaded, sample_inputs, 
     save_file({"h": last.contiguous()}, str(tmp_path / "h.safetensors"))
     torch.save(last, tmp_path / "h.pt")
     assert torch.equal(torch.load(tmp_path / "h.pt"), last)
+
+
+def test_a_model_without_float_weights_still_takes_cpu_and_dtype_moves(tiny_loaded, sample_inputs):
+    """A deployment's int8 linears hold a meta tensor for the float weight they dropped: model.cpu() and
+    .to("cpu") raised "Cannot copy out of meta tensor" although the model is on the CPU."""
+    model = copy.deepcopy(tiny_loaded[0])
+    patch_model(model, backend="cpu", quant="w8a8", release_float_weights=True)
+    want = _logits(model, sample_inputs)
+    assert model.cpu() is model and model.to("cpu") is model
+    assert torch.equal(_logits(model, sample_inputs), want)
+    model.float()
+    assert model.model.language_model.layers[0].self_attn.o_proj.weight.dtype == torch.float32
+    assert torch.isfinite(_logits(model.float(), sample_inputs)).all()
+    with pytest.raises(RuntimeError, match="has no float weight and its int8 one is on cpu; moving it to meta is not "
+                                           "supported"):
+        model.to("meta")

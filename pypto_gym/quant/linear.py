@@ -7,6 +7,8 @@ path back on without unpatching.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import config, ops
@@ -61,6 +63,8 @@ class QuantLinear(SwappedForward):
                              f"into it); a calibration file cannot apply")
         self.stored = stored is not None
         self.w_q, self.w_scale = stored if stored is not None else quantize_weight(module.weight, smooth)
+        if self.stored:
+            self.keep_meta_weight_on_apply()
         self._quantised_from = self._float_weight_now()
         self.merged_into = None  # the QuantMlp whose one gate/up GEMM holds this weight (quant/mlp.py)
         self.requantised = 0  # times the float weight changed after patching and was quantised again
@@ -108,6 +112,30 @@ class QuantLinear(SwappedForward):
         self.module._parameters["weight"] = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"),
                                                                requires_grad=False)
         self._quantised_from = self._float_weight_now()
+        self.keep_meta_weight_on_apply()
+
+    def keep_meta_weight_on_apply(self) -> None:
+        """`model.cpu()`, `.to("cpu")`, `.float()` work on a model whose int8 linears have no float weight (the meta
+        tensor standing for it cannot be copied): this module's `_apply` leaves it out and makes a new one of the
+        target dtype; a move to another device than the int8 weight's is refused, saying so."""
+        self.module.__dict__["_apply"] = functools.partial(_apply_without_float_weight, self.module)
+
+    def apply_without_float_weight(self, fn, recurse: bool):
+        module = self.module
+        w = module._parameters["weight"]
+        target = fn(torch.empty(0, dtype=w.dtype, device=self.w_q.device))
+        if target.device != self.w_q.device:
+            raise RuntimeError(f"{self.path}: this int8 linear has no float weight and its int8 one is on "
+                               f"{self.w_q.device}; moving it to {target.device} is not supported (load or patch the "
+                               f"model there)")
+        module._parameters["weight"] = None
+        try:
+            type(module)._apply(module, fn, recurse)  # the bias, buffers, children
+        finally:
+            module._parameters["weight"] = torch.nn.Parameter(
+                torch.empty(w.shape, dtype=target.dtype, device="meta"), requires_grad=False)
+            self._quantised_from = self._float_weight_now()
+        return module
 
     def row(self) -> dict:
         m, stats = self.module, self.stats
@@ -152,6 +180,11 @@ def quant_linear_forward(module, x):
 
 
 QuantLinear.FORWARD = quant_linear_forward
+
+
+def _apply_without_float_weight(module, fn, recurse=True):
+    """nn.Module._apply of an int8 linear without a float weight (QuantLinear.keep_meta_weight_on_apply)."""
+    return module.__dict__[_SLOT].apply_without_float_weight(fn, recurse)
 
 
 def quant_linear_of(module) -> QuantLinear | None:
