@@ -1,0 +1,74 @@
+"""Does vLLM serve an export as pypto-gym runs it? Greedy tokens and top-k logprobs from both, side by side.
+
+vLLM runs in its own venv (scripts/make_vllm_env.sh), as a subprocess of scripts/vllm_generate.py given
+token-id prompts; pypto-gym runs the same export from its int8 weights (quant.export.load) on the same ids.
+Both in bf16: vLLM's CPU int8 GEMM takes bf16 or fp16 activations only, and its fp16 path has no scalar
+fallback on AVX-512 (refused), so bf16 is what a CPU deployment of these exports runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+GENERATE = Path(__file__).resolve().parents[2] / "scripts" / "vllm_generate.py"
+MARK = "vllm_generate: "  # the script's answer line
+
+
+def vllm_run(python: str, model_dir, prompts: list[list[int]], max_tokens: int, logprobs: int = 5,
+             dtype: str = "bfloat16", timeout: float = 900, env: dict | None = None) -> dict:
+    """{"quantization", "outputs": [{"token_ids", "logprobs": [{token id: logprob}]}]} from vLLM's greedy run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        request = Path(tmp) / "request.json"
+        request.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs,
+                                       "dtype": dtype}))
+        proc = subprocess.run([python, str(GENERATE), str(model_dir), str(request)], capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})
+    answer = [line[len(MARK):] for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    if proc.returncode != 0 or not answer:
+        causes = []  # the exceptions vLLM's processes printed, each once, in order
+        for line in (proc.stdout + proc.stderr).splitlines():
+            cause = line.split("] ")[-1].strip()
+            if ("Error: " in cause or "Exception: " in cause) and cause not in causes:
+                causes.append(cause)
+        raise RuntimeError(f"vLLM on {model_dir} failed (exit {proc.returncode}): {'; '.join(causes)[-2000:]}")
+    return json.loads(answer[-1])
+
+
+def own_run(model_dir, prompts: list[list[int]], max_tokens: int, logprobs: int = 5, dtype: str = "bfloat16") -> dict:
+    """The same greedy run from pypto-gym's load of the export, on the fused kernels, in vLLM's answer's shape."""
+    import torch
+
+    from ..quant import export
+
+    model, _, _, report = export.load(model_dir, backend="cpu", dtype=dtype)
+    outputs = []
+    for ids in prompts:  # greedy, EOS ignored (as vLLM's ignore_eos): no logits processor between model and argmax
+        tokens, steps, past, step_ids = [], [], None, torch.tensor([ids])
+        with torch.no_grad():
+            for _ in range(max_tokens):
+                out = model(input_ids=step_ids, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                lp = torch.log_softmax(out.logits[0, -1].float(), -1)
+                top = lp.topk(logprobs)
+                steps.append({str(int(t)): float(v) for t, v in zip(top.indices, top.values)})
+                tokens.append(int(lp.argmax()))
+                step_ids = torch.tensor([[tokens[-1]]])
+        outputs.append({"token_ids": tokens, "logprobs": steps})
+    return {"int8_linears": report.to_json()["w8a8"]["summary"]["int8"], "outputs": outputs}
+
+
+def agreement(theirs: dict, ours: dict) -> dict:
+    """Greedy tokens equal per prompt; over every step, the largest |logprob difference| of the tokens both top-k
+    lists hold, and the smallest share of top-k tokens they share."""
+    equal, diffs, overlap = [], [0.0], [1.0]
+    for t, o in zip(theirs["outputs"], ours["outputs"]):
+        equal.append(t["token_ids"] == o["token_ids"])
+        for ts, os_ in zip(t["logprobs"], o["logprobs"]):
+            both = set(ts) & set(os_)
+            overlap.append(len(both) / max(1, len(ts)))
+            diffs += [abs(ts[k] - os_[k]) for k in both]
+    return {"tokens_equal": all(equal), "prompts": len(equal), "max_logprob_diff": max(diffs),
+            "min_topk_overlap": min(overlap)}
