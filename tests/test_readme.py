@@ -1,4 +1,5 @@
-"""Every Python block of the README runs as written (in a scratch folder: what it writes stays there)."""
+"""Every Python block of the README and of docs/*.md runs as written (in a scratch folder: what it writes stays
+there)."""
 import re
 import subprocess
 import sys
@@ -7,11 +8,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [block for page in PAGES for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
 
 
 def test_the_readme_has_python_blocks():
     assert BLOCKS
+
+
+def test_every_link_to_a_file_of_the_repository_resolves():
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name}: {target}"
 
 
 @pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])

@@ -85,8 +85,8 @@ def _unit(path: str) -> int:
 def full_depth_ratio(model, w8a8: dict, layers: int, blocks: int, depth: tuple) -> float:
     """Deployed W8A8 weight bytes / float weight bytes, the embedding excluded from both, projected from this
     reduced-depth model to `depth` = (decoder layers, vision blocks): bytes per layer and per block as measured
-    here (float parameters; each int8 linear's int8 bytes in place of its released float ones, plus the tied
-    lm_head's int8 copy), the rest once."""
+    here (float parameters; each int8 linear's int8 bytes in place of its released float ones, plus the int8 copy
+    of a tied one), the rest once."""
     emb = model.get_input_embeddings().weight
     float_bytes, delta = [0, 0, 0], [0, 0, 0]
     for path, p in model.named_parameters():
@@ -146,8 +146,6 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
                     q = w8a8["summary"]
                     weights["w8a8_deployed_bytes"] = (weights["float_model_bytes"] - q["releasable_float_bytes"]
                                                       + q["int8_weight_bytes"])
-                    weights["tied_int8_copy_bytes"] = sum(r["int8_weight_bytes"] for r in w8a8["linears"]
-                                                          if r["float_weight_shared"])
                     if model_path is None:
                         raw = json.loads(GUTENOCR_CONFIG.read_text())
                         weights["full_depth"] = full_depth = (raw["num_hidden_layers"], raw["vision_config"]["depth"])
@@ -202,15 +200,11 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
             goals.append(goal_line(full <= 0.55, f"W8A8 weights projected to GutenOCR-3B's {layers} layers and {blocks} "
                                                  f"vision blocks from the per-layer bytes measured here: {full:.3f}x, "
                                                  f"the embedding excluded (goal: <= 0.55x)"))
-        tied = weights["tied_int8_copy_bytes"]
-        weights["deployed_vs_float_without_embedding_tied_head_float"] = untied = \
-            (weights["w8a8_deployed_bytes"] - emb - tied) / (weights["float_model_bytes"] - emb)
         print(f"\nweights: {dtype} model {weights['float_model_bytes'] / 2 ** 20:.0f} MB; a W8A8 deployment "
               f"(release_float_weights=True) holds {weights['w8a8_deployed_bytes'] / 2 ** 20:.0f} MB (int8 linears + "
-              f"the rest in {dtype}, a tied embedding kept; {ratio:.3f}x without the {emb / 2 ** 20:.0f} MB "
-              f"embedding, of which {tied / 2 ** 20:.0f} MB is the int8 copy of the tied lm_head: {untied:.3f}x with "
-              f"float_linears='text.lm_head', which reads the embedding's table instead); the W8A8 variant's RSS "
-              f"above also holds the float copies kept for unpatch_model, which the interleaved rounds need")
+              f"the rest in {dtype}, the tied embedding and lm_head's table kept once; {ratio:.3f}x without the "
+              f"{emb / 2 ** 20:.0f} MB embedding); the W8A8 variant's RSS above also holds the float copies kept for "
+              f"unpatch_model, which the interleaved rounds need")
     print("\n" + "\n".join(goals))
     result = {"bench": "e2e", "model": str(model_path) if model_path else "gutenocr_3b dims", "dtype": dtype,
               "num_layers": num_layers, "weights": weights,

@@ -11,6 +11,7 @@ CPU it ran on; goals are PASS/FAIL lines.
 from __future__ import annotations
 
 import copy
+import os
 import time
 
 import torch
@@ -113,9 +114,24 @@ def patched_modules_us(dtype, rounds: int) -> dict:
 # ---- the op rows ---------------------------------------------------------------------------------------------
 def _compiled(fn):
     """torch.compile of what HF runs, specialised to the shape it will see (dynamo's caches reset first: every
-    shape compiles the same code, and past 8 recompiles dynamo would silently run eager)."""
+    shape compiles the same code, and past 8 recompiles dynamo would silently run eager). Compiled in this
+    process (compile_threads=1): no pool of compile workers starting up beside the timed rounds of the next rows
+    on a two-core machine."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
     torch._dynamo.reset()
     return torch.compile(fn, dynamic=False)
+
+
+def load_average() -> float | None:
+    """The 1-minute load average: on a two-core machine anything above ~0.5 beside the benchmark itself is another
+    process taking a core, which stalls every 2-thread OpenMP region (inductor's kernels parallelise even a
+    decode row) for a scheduler slice: the 10-30 ms "compile" decode rows seen on a loaded machine."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
 
 
 def _shape_label(args) -> str:
@@ -139,12 +155,16 @@ def op_rows(op, dtype, dname, levels, quick, rounds) -> list[dict]:
             fns[f"cpu_{isa}"] = (lambda b=op.bind(name, ops.Stats(), **constants): b(*tensors))
             if spec.unfused is not None:
                 fns[f"unfused_{isa}"] = spec.unfused(args, name)
+        from torch._dynamo.utils import counters
+
+        counters.clear()
         us = {k: v * 1e6 for k, v in interleaved_medians(fns, rounds=rounds).items()}
+        recompiled = counters["stats"]["unique_graphs"]  # the compile row must run its one graph, not recompile
         best = us[f"cpu_{next(iter(levels))}"]
         row = {"op": op.name, "phase": phase, "tokens": tokens, "shape": _shape_label(args), "dtype": dname,
                **{f"{k}_us": v for k, v in us.items()}, "floor": spec.floor_name,
                "cpu_speedup_vs_hf": us["hf"] / best, "cpu_speedup_vs_compile": us["compile"] / best,
-               "cpu_over_floor": best / us["floor"]}
+               "cpu_over_floor": best / us["floor"], "compile_recompiles": recompiled}
         if spec.unfused is not None:
             row["fused_speedup"] = us[f"unfused_{next(iter(levels))}"] / best
         rows.append(row)
@@ -168,6 +188,9 @@ def goal_lines(rows, modules) -> list[str]:
     for r in rows:
         g = OPS[r["op"]].bench.goals
         label = f"cpu {r['op']} {r['dtype']} {r['phase']} {r['shape']}"
+        if r["compile_recompiles"]:
+            goals.append(goal_line(False, f"{label}: torch.compile recompiled {r['compile_recompiles']} times in the "
+                                          f"timed rounds: its figure is not the compiled steady state"))
         if "vs_hf" in g:
             goals.append(goal_line(r["cpu_speedup_vs_hf"] >= g["vs_hf"], f"{label}: {r['cpu_speedup_vs_hf']:.2f}x HF "
                                                                          f"eager (goal >= {g['vs_hf']}x)"))
@@ -208,6 +231,10 @@ def run(dtypes=("bfloat16",), quick=False, rounds=15, json_path=None, png_path=N
         inductor_config.cpp.simdlen = 256
         compile_note = "inductor limited to 256-bit vectors (AVX2)"
     print(header("bench ops"))
+    load = load_average()
+    if load is not None and load > 0.5:
+        print(f"note: load average {load:.2f} before the run: another process is using the CPU; the timings (the "
+              f"torch.compile rows most) will not be repeatable")
     print(f"{allocator}; cpu kernel levels: {', '.join(f'{k} ({v})' for k, v in levels.items())}; ATen kernels: "
           f"{torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY); {compile_note}")
     warm = first_call_ms()
@@ -231,7 +258,8 @@ def run(dtypes=("bfloat16",), quick=False, rounds=15, json_path=None, png_path=N
     result = {"bench": "ops", "machine": hardware.capability(), "allocator": allocator, "levels": levels,
               "aten_capability": torch.backends.cpu.get_cpu_capability(), "compile": compile_note,
               "first_call": warm, "modules_us": modules, "rows": rows, "goals": goals,
-              "threads": torch.get_num_threads(), "torch": torch.__version__}
+              "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "load_average": {"before": load, "after": load_average()}}
     if json_path:
         write_json(json_path, result)
         print(f"JSON written to {json_path}")
