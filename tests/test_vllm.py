@@ -67,3 +67,68 @@ def test_an_int8_lm_head_export_is_refused_by_vllm_as_the_summary_says(tmp_path)
     assert cli_main(["export", "--model", str(models.FAMILIES["llama"].TINY_DIR), "--int8-lm-head", str(out)]) == 0
     with pytest.raises(RuntimeError, match="lm_head.weight_scale"):
         compare.vllm_run(VLLM_PYTHON, out, [[1, 2, 3]], 2)
+
+
+# ---- pypto-gym's kernels inside vLLM (the plugin, pypto_gym/vllm) ------------------------------------------------
+def _vllm_env(tmp_path, **extra):
+    return {"PYPTO_GYM_VLLM": "1", "PYPTO_GYM_VLLM_REPORT": str(tmp_path / "report"),
+            "PYPTO_GYM_VLLM_CAPTURE": str(tmp_path / "capture"), "PYPTO_GYM_STRICT": "0", **extra}
+
+
+def test_every_provider_takes_vllms_own_semantics_in_vllm():
+    """Run in vLLM's venv (tests/vllm_checks.py): each provider on the torch backend is bit-identical to vLLM's
+    reference (impls["native"], forward_native) in fp32, bf16 and fp16 (fused_add_rms_norm: fp32; 16-bit calls
+    declined with the reason), on the cpu kernels within SPEC 5; GPT-J's rotation declined and counted."""
+    import subprocess
+
+    proc = subprocess.run([VLLM_PYTHON, str(ROOT / "tests" / "vllm_checks.py")], capture_output=True, text=True,
+                          timeout=900)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("vllm_checks: ")), None)
+    assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-2000:]
+    failures = json.loads(line[len("vllm_checks: "):])
+    assert len(failures) >= 15 and not any(failures.values()), failures
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_the_plugin_serves_the_same_tokens_and_says_what_ran_where(name, tmp_path):
+    """fp32, 4 prompts in one batch, 32 tokens: vLLM's greedy tokens with pypto-gym's kernels equal its own, every
+    provider the model uses is called (from the worker: the report merges every process), and the shapes vLLM's
+    scheduler produced become a case file that `cases run --backend cpu` passes."""
+    from pypto_gym.capture.runner import run_file
+    from pypto_gym.vllm import report
+
+    family = models.FAMILIES[name]
+    prompts = [ids for ids in _prompts(family)] + [[5, 6, 7]]
+    plain = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 32, dtype="float32")
+    fused = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 32, dtype="float32", env=_vllm_env(tmp_path))
+    assert compare.agreement(plain, fused)["tokens_equal"], (plain["outputs"], fused["outputs"])
+    merged = report.merged(tmp_path / "report")
+    assert len(merged["processes"]) >= 2  # the main process, the engine core and the worker write one each
+    for op in ("rms_norm", "fused_add_rms_norm", "SiluAndMul", "RotaryEmbedding"):
+        row = merged["ops"][op]
+        assert row["calls"] > 0 and set(row["ran_on"]) == {"cpu"} and not row["fallbacks"], (op, row)
+    info = report.merge_cases(tmp_path / "capture", tmp_path / "served.json")
+    assert info["cases"] >= 4
+    rows = run_file(tmp_path / "served.json", "cpu", 1)
+    assert rows and all(r["passed"] and r["backend"] == "cpu" for r in rows)
+    cases = json.loads((tmp_path / "served.json").read_text())["test_cases"]
+    batches = {c["input"][next(iter(c["input"]))]["shape"][0] for c in cases if c["op"] == "rms_norm"}
+    assert len(batches) >= 2  # prefill chunks and decode batches of several sequences
+
+
+def test_a_declined_call_is_counted_with_its_reason_and_strict_mode_raises(tmp_path):
+    """bf16: vLLM normalises fused_add_rms_norm's unrounded fp32 sum, the op its rounded residual: declined to
+    vLLM's native code, counted with that reason, the tokens vLLM's own; with PYPTO_GYM_STRICT=1 the engine stops
+    with the reason instead."""
+    from pypto_gym.vllm import report
+
+    family = models.FAMILIES["qwen3"]
+    prompts = _prompts(family)[:2]
+    plain = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 8)
+    fused = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 8, env=_vllm_env(tmp_path))
+    assert compare.agreement(plain, fused)["tokens_equal"]
+    declined = report.merged(tmp_path / "report")["ops"]["fused_add_rms_norm"]["declined"]
+    assert any("normalises the unrounded fp32 sum" in reason for reason in declined), declined
+    with pytest.raises(RuntimeError, match="would run vLLM's native code \\(strict mode\\)"):
+        compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 2, env=_vllm_env(tmp_path / "strict",
+                                                                               PYPTO_GYM_STRICT="1"))

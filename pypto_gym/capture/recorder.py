@@ -35,36 +35,15 @@ def _cache_len(kwargs) -> int:
     return 0
 
 
-class ShapeRecorder:
-    """`with ShapeRecorder(model) as rec: model.generate(...)`, then `rec.save(path)`."""
+class CaseRecorder:
+    """The calls of every site (every Stats with a `site`) filed as cases, while it is in dispatch.RECORDERS: the
+    part of a recorder that needs no model (vLLM's shape capture uses it as it is: pypto_gym/vllm/report.py).
+    `phase` is what the calls are filed under."""
 
-    def __init__(self, model, **patch_options):
-        self.model = model
-        self.patch_options = {"backend": "torch", **patch_options}
+    def __init__(self, phase: str = "prefill"):
         self.records: dict = {}  # (op, phase, inputs json) -> {"op", "phase", "args", "sites", "count"}
-        self._handle = None
-        self._patched_here = False
-        self._phase = "prefill"
+        self._phase = phase
         self.too_large: dict[str, int] = {}  # site kind -> calls not recorded (a tensor above MAX_ELEMENTS)
-
-    def __enter__(self):
-        if patching.patch_report(self.model) is None:
-            patching.patch_model(self.model, **self.patch_options)
-            self._patched_here = True
-        self._handle = self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True)
-        dispatch.RECORDERS.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        dispatch.RECORDERS.remove(self)
-        self._handle.remove()
-        if self._patched_here:
-            patching.unpatch_model(self.model)
-            self._patched_here = False
-        return False
-
-    def _on_model_forward(self, module, args, kwargs):
-        self._phase = "prefill" if _cache_len(kwargs) == 0 else "decode"
 
     def record(self, op, stats, args) -> None:
         """One site call (from dispatch.call): filed by op, phase and inputs."""
@@ -128,3 +107,33 @@ class ShapeRecorder:
         doc = {"model": model_name, "test_cases": cases}
         files.write_text(p, json.dumps(doc, indent=2) + "\n")
         return {"path": str(p), "cases": len(cases), "added": added}
+
+
+class ShapeRecorder(CaseRecorder):
+    """`with ShapeRecorder(model) as rec: model.generate(...)`, then `rec.save(path)`."""
+
+    def __init__(self, model, **patch_options):
+        super().__init__()
+        self.model = model
+        self.patch_options = {"backend": "torch", **patch_options}
+        self._handle = None
+        self._patched_here = False
+
+    def __enter__(self):
+        if patching.patch_report(self.model) is None:
+            patching.patch_model(self.model, **self.patch_options)
+            self._patched_here = True
+        self._handle = self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True)
+        dispatch.RECORDERS.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        dispatch.RECORDERS.remove(self)
+        self._handle.remove()
+        if self._patched_here:
+            patching.unpatch_model(self.model)
+            self._patched_here = False
+        return False
+
+    def _on_model_forward(self, module, args, kwargs):
+        self._phase = "prefill" if _cache_len(kwargs) == 0 else "decode"

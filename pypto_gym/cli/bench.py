@@ -42,6 +42,15 @@ def add_parser(sub):
     b.add_argument("--rounds", type=POSITIVE, default=9)
     b.add_argument("--json", default=None)
     b.set_defaults(func=cmd_bench_cases)
+    b = bench_sub.add_parser("vllm", help="vLLM's throughput with and without pypto-gym's kernels inside it, and "
+                                          "each provider vs vLLM's op (run with vLLM's venv: .venv-vllm/bin/pypto-gym)")
+    b.add_argument("--layers", type=POSITIVE, default=2, help="GutenOCR-3B text layers (random weights)")
+    b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    b.add_argument("--quick", action="store_true", help="the tiny models only")
+    b.add_argument("--rounds", type=POSITIVE, default=15)
+    b.add_argument("--json", help=f"default: {BENCH_OUT}/vllm.json")
+    b.add_argument("--png", help=f"default: {BENCH_OUT}/vllm.png")
+    b.set_defaults(func=cmd_bench_vllm)
     b = bench_sub.add_parser("gemm", help="int8 GEMM candidates vs bf16 F.linear (decode and prefill shapes)")
     b.add_argument("--rounds", type=POSITIVE, default=9)
     b.add_argument("--json", help=f"default: {BENCH_OUT}/gemm.json")
@@ -144,6 +153,18 @@ def cmd_bench_layer(args) -> int:
 
     json_path, _ = bench_outputs(args, "layer")
     return pypto_layer.run_layer(args.tokens, args.vision_tokens, json_path)
+
+
+def cmd_bench_vllm(args) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError("bench vllm: vLLM is not installed in this python; run it with vLLM's venv "
+                        "(scripts/make_vllm_env.sh, then .venv-vllm/bin/pypto-gym bench vllm)")
+    from ..bench import vllm_bench
+
+    json_path, png_path = bench_outputs(args, "vllm")
+    return vllm_bench.run(args.layers, args.dtype, args.quick, args.rounds, json_path, png_path)
 
 
 def cmd_bench_gemm(args) -> int:

@@ -44,13 +44,16 @@ def own_run(model_dir, prompts: list[list[int]], max_tokens: int, logprobs: int 
     from ..quant import export
 
     model, _, _, report = export.load(model_dir, backend="cpu", dtype=dtype)
+    import inspect
+
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x : 4.57
     outputs = []
     for ids in prompts:  # greedy, EOS ignored (as vLLM's ignore_eos): no logits processor between model and argmax
         tokens, steps, past, step_ids = [], [], None, torch.tensor([ids])
         with torch.no_grad():
             for _ in range(max_tokens):
-                out = model(input_ids=step_ids, past_key_values=past, use_cache=True)
-                past = out.past_key_values
+                out = model(input_ids=step_ids, use_cache=True, **{cache_arg: past})
+                past = out[cache_arg]
                 lp = torch.log_softmax(out.logits[0, -1].float(), -1)
                 top = lp.topk(logprobs)
                 steps.append({str(int(t)): float(v) for t, v in zip(top.indices, top.values)})
