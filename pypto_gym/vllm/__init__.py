@@ -7,8 +7,9 @@ vLLM calls `register()` in its main process, its engine core and each worker bef
   worker dies with SIGILL (exit code -4) at the first prefill. This only makes vLLM's own kernels runnable.
 - With `PYPTO_GYM_VLLM=1` (and `USE_PTO_RMS_NORM` not 0), pypto-gym's kernels serve vLLM's ops (providers.py): IR op providers for `rms_norm` and `fused_add_rms_norm`, put first in
   the platform's default priority (a user's `kernel_config={"ir_op_priority": ...}` still comes first), and
-  out-of-tree custom ops for `SiluAndMul`, `RotaryEmbedding` and `MRotaryEmbedding`. Each process says once on
-  stderr that it is on. `USE_PTO_RMS_NORM=0`, `PYPTO_GYM_BACKEND` and `PYPTO_GYM_STRICT` mean what they mean
+  out-of-tree custom ops for `SiluAndMul`, `RotaryEmbedding` and `MRotaryEmbedding`; `PYPTO_GYM_VLLM_OPS`
+  (comma-separated names) takes only some (on the CPU vLLM's C++ rotary_embedding is faster than the rotary
+  provider at serving sizes: docs/benchmarks.md). Each process says once on stderr that it is on. `USE_PTO_RMS_NORM=0`, `PYPTO_GYM_BACKEND` and `PYPTO_GYM_STRICT` mean what they mean
   for `patch_model`.
 - `PYPTO_GYM_VLLM_REPORT=DIR`: each process writes what ran where (per op: calls per backend, fallbacks and
   declined calls with their reasons) to DIR/pypto_gym-vllm-<pid>.json at exit; `report.merged(DIR)` adds
@@ -25,6 +26,7 @@ import sys
 from .. import config
 
 SWITCH = "PYPTO_GYM_VLLM"
+OPS_SWITCH = "PYPTO_GYM_VLLM_OPS"  # which of providers.OP_NAMES to take (default: all)
 _done: list = []
 
 
@@ -69,9 +71,10 @@ def register() -> None:
         return
     from . import providers, report
 
-    ir_ops = providers.install_ir_providers()
+    chosen = providers.chosen_ops(config.env_text(OPS_SWITCH))
+    ir_ops = providers.install_ir_providers(chosen)
     _put_first_in_platform_priority(ir_ops)
-    custom = providers.install_custom_ops()
+    custom = providers.install_custom_ops(chosen)
     report.start(os.environ.get("PYPTO_GYM_VLLM_REPORT"), os.environ.get("PYPTO_GYM_VLLM_CAPTURE"))
     print(f"pypto-gym: kernels inside vLLM on in process {os.getpid()} (backend {providers.BACKEND}): IR providers "
           f"{', '.join(ir_ops)}; custom ops {', '.join(custom)}", file=sys.stderr, flush=True)

@@ -18,12 +18,12 @@ MARK = "vllm_generate: "  # the script's answer line
 
 
 def vllm_run(python: str, model_dir, prompts: list[list[int]], max_tokens: int, logprobs: int = 5,
-             dtype: str = "bfloat16", timeout: float = 900, env: dict | None = None) -> dict:
+             dtype: str = "bfloat16", timeout: float = 900, env: dict | None = None, tensor_parallel_size: int = 1) -> dict:
     """{"quantization", "outputs": [{"token_ids", "logprobs": [{token id: logprob}]}]} from vLLM's greedy run."""
     with tempfile.TemporaryDirectory() as tmp:
         request = Path(tmp) / "request.json"
         request.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs,
-                                       "dtype": dtype}))
+                                       "dtype": dtype, "tensor_parallel_size": tensor_parallel_size}))
         proc = subprocess.run([python, str(GENERATE), str(model_dir), str(request)], capture_output=True, text=True,
                               timeout=timeout, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})
     answer = [line[len(MARK):] for line in proc.stdout.splitlines() if line.startswith(MARK)]

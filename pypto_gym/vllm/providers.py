@@ -55,6 +55,16 @@ class Counters:
 
 COUNTERS = Counters()
 BACKEND = registry.default_backend()  # $PYPTO_GYM_BACKEND, read once in this process
+_bound: dict = {}  # op -> its BoundCall on BACKEND: a provider runs hundreds of times a step
+
+
+def bound(name: str, op: str, **constants):
+    """`op` bound to this process's backend, the vLLM op's counters and its constant arguments, made once: the
+    bound fast path costs about a microsecond where the entry point's costs several."""
+    key = (name, op, BACKEND, tuple(sorted(constants.items())))
+    if key not in _bound:
+        _bound[key] = ops.OPS[op].bind(BACKEND, COUNTERS.stats[name], **constants)
+    return _bound[key]
 
 
 def _norm_reason(x, weight, variance_size) -> str | None:
@@ -78,7 +88,7 @@ def rms_norm_supports(x: torch.Tensor, weight: torch.Tensor | None, epsilon: flo
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
              variance_size: int | None = None) -> torch.Tensor:
-    return ops.rms_norm(x, weight, epsilon, cast_mode="hf", backend=BACKEND, stats=COUNTERS.stats["rms_norm"])
+    return bound("rms_norm", "rms_norm", cast_mode="hf")(x, weight, epsilon)
 
 
 def fused_add_rms_norm_supports(x: torch.Tensor, x_residual: torch.Tensor, weight: torch.Tensor | None,
@@ -97,18 +107,32 @@ def fused_add_rms_norm_supports(x: torch.Tensor, x_residual: torch.Tensor, weigh
 def fused_add_rms_norm(x: torch.Tensor, x_residual: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
                        variance_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     gamma = weight if weight is not None else torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-    return ops.add_rms_norm(x, x_residual, gamma, epsilon, cast_mode="hf", backend=BACKEND,
-                            stats=COUNTERS.stats["fused_add_rms_norm"])
+    return bound("fused_add_rms_norm", "add_rms_norm", cast_mode="hf")(x, x_residual, gamma, epsilon)
 
 
-def install_ir_providers() -> list[str]:
-    """Register the two norm providers with vLLM's IR ops; returns the op names."""
+def chosen_ops(text: str | None) -> tuple:
+    """$PYPTO_GYM_VLLM_OPS parsed: comma-separated names of OP_NAMES (None: all); refused naming the variable."""
+    if text is None:
+        return OP_NAMES
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in OP_NAMES]
+    if unknown or not names:
+        raise config.SettingError(f"PYPTO_GYM_VLLM_OPS: got {text!r}; expected comma-separated names of "
+                                  f"{', '.join(OP_NAMES)}")
+    return names
+
+
+def install_ir_providers(chosen=OP_NAMES) -> list[str]:
+    """Register the chosen norm providers with vLLM's IR ops; returns their names."""
     from vllm.ir import ops as ir_ops
 
-    ir_ops.rms_norm.register_impl("pypto_gym", supports_args=rms_norm_supports)(rms_norm)
-    ir_ops.fused_add_rms_norm.register_impl("pypto_gym", supports_args=fused_add_rms_norm_supports)(
-        fused_add_rms_norm)
-    return ["rms_norm", "fused_add_rms_norm"]
+    providers = {"rms_norm": (ir_ops.rms_norm, rms_norm_supports, rms_norm),
+                 "fused_add_rms_norm": (ir_ops.fused_add_rms_norm, fused_add_rms_norm_supports, fused_add_rms_norm)}
+    for name in chosen:
+        if name in providers:
+            ir_op, supports, impl = providers[name]
+            ir_op.register_impl("pypto_gym", supports_args=supports)(impl)
+    return [n for n in providers if n in chosen]
 
 
 # ---- out-of-tree custom ops ---------------------------------------------------------------------------------
@@ -136,8 +160,7 @@ def _silu_and_mul_class():
         @staticmethod
         def _fused(x):
             d = x.shape[-1] // 2
-            return ops.swiglu(x[..., :d], x[..., d:], cast_mode="hf", backend=BACKEND,
-                              stats=COUNTERS.stats["SiluAndMul"])
+            return bound("SiluAndMul", "swiglu", cast_mode="hf")(x[..., :d], x[..., d:])
 
     return PyptoGymSiluAndMul
 
@@ -154,21 +177,26 @@ def _rope_reason(layer, query, key, positions) -> str | None:
     return None
 
 
+def _angle_tables(layer, query):
+    """cos and sin at full rotary width ([positions, rot]: the neox halves share an angle), made once per layer,
+    dtype and device from its cos_sin_cache (vLLM's own rounding of the cache to the model dtype)."""
+    cache = layer._match_cos_sin_cache_dtype(query)
+    tables = layer.__dict__.get("_pypto_gym_angles")
+    if tables is None or tables[0] is not cache:
+        cos, sin = cache.chunk(2, dim=-1)
+        tables = layer.__dict__["_pypto_gym_angles"] = (cache, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
+    return tables[1], tables[2]
+
+
 def _rotate_in_place(layer, positions, query, key, op_name, section=()):
     """q and k rotated by `rope` (hf mode) with cos/sin gathered by positions, written back in place."""
-    cache = layer._match_cos_sin_cache_dtype(query)
-    cos_sin = cache[positions]  # [T, rot] or [3, T, rot]
-    cos, sin = cos_sin.chunk(2, dim=-1)
-    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # neox: both halves share an angle
+    cos_table, sin_table = _angle_tables(layer, query)
+    cos, sin = cos_table[positions], sin_table[positions]  # [T, rot], or the [3, T, rot] MRoPE planes
     T = positions.shape[-1]
     q = query.view(T, -1, layer.head_size)
     k = key.view(T, -1, layer.head_size)
-    if section:
-        q_embed, k_embed = ops.rope(q, k, cos, sin, list(section), unsqueeze_dim=-2, cast_mode="hf",
-                                    backend=BACKEND, stats=COUNTERS.stats[op_name])
-    else:
-        q_embed, k_embed = ops.rope(q, k, cos, sin, unsqueeze_dim=-2, cast_mode="hf", backend=BACKEND,
-                                    stats=COUNTERS.stats[op_name])
+    q_embed, k_embed = bound(op_name, "rope", mrope_section=tuple(section), unsqueeze_dim=-2, cast_mode="hf")(
+        q, k, cos, sin)
     q.copy_(q_embed)
     k.copy_(k_embed)
     return query, key
@@ -223,12 +251,30 @@ def _mrotary_class():
     return PyptoGymMRotaryEmbedding
 
 
-def install_custom_ops() -> list[str]:
-    """Register the out-of-tree custom ops (vLLM builds its layers with them from now on); returns their names."""
-    from vllm.model_executor.custom_op import CustomOp
+def ensure_installed() -> None:
+    """The providers registered in this process (once: vLLM refuses a second registration of a name)."""
+    from vllm.ir import ops as ir_ops
+    from vllm.model_executor.custom_op import op_registry_oot
 
-    classes = {"SiluAndMul": _silu_and_mul_class(), "RotaryEmbedding": _rotary_class(),
-               "MRotaryEmbedding": _mrotary_class()}
-    for name, cls in classes.items():
-        CustomOp.register_oot(name=name)(cls)
-    return list(classes)
+    if "pypto_gym" not in ir_ops.rms_norm.impls:
+        install_ir_providers()
+    if "SiluAndMul" not in op_registry_oot:
+        install_custom_ops()
+
+
+def install_custom_ops(chosen=OP_NAMES) -> list[str]:
+    """Register the chosen out-of-tree custom ops (vLLM builds its layers with them from now on); their names."""
+    from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+
+    classes = {"SiluAndMul": _silu_and_mul_class, "RotaryEmbedding": _rotary_class,
+               "MRotaryEmbedding": _mrotary_class}
+    taken = []
+    for name in chosen:
+        if name not in classes:
+            continue
+        if name in op_registry_oot:  # another platform's (vllm-ascend's register_ascend_customop): it serves it
+            COUNTERS.declined[name][f"{op_registry_oot[name].__module__} serves it (registered first)"] = 0
+            continue
+        CustomOp.register_oot(name=name)(classes[name]())
+        taken.append(name)
+    return taken
