@@ -5,7 +5,7 @@ Notation: x is [..., D]; rows are all leading dims; rms(v) = sqrt(mean(v^2 over 
 - `hf` (HF Llama/Qwen, the default for patched models): y = gamma * (f32(x) * rsqrt(mean(f32(x)^2)
   + eps)).to(x.dtype); the output dtype is the promotion of gamma's and x's (an fp32 gamma with bf16
   x gives fp32, exactly as HF does). Bit-identical to `Qwen2_5_VLRMSNorm.forward` on `torch`.
-- `fp32` (PyPTO's rms_norm_fp32_cast, aclnn, vLLM's fused kernels): everything in fp32, gamma
+- `fp32` (PyPTO's rms_norm_fp32_cast, aclnn): everything in fp32, gamma
   multiplied in fp32, one final cast to x's dtype.
 - `none` (the pypto.rms_norm guide's path for chips without the fp32 cast): every step in x's dtype.
 
@@ -24,8 +24,8 @@ MODES = {"hf": 0, "fp32": 1, "none": 2}  # the C++ kernels' codes
 
 
 def rms_norm(x, gamma=None, eps=1e-6, cast_mode="hf"):
-    """y = gamma * (x / rms(x)); `hf` casts before the weight (HF Qwen/Llama), `fp32` after (vLLM, aclnn),
-    `none` computes in x's dtype throughout."""
+    """y = gamma * (x / rms(x)); `hf` casts before the weight (HF Qwen/Llama, vLLM's native rms_norm), `fp32`
+    after (aclnn), `none` computes in x's dtype throughout."""
     g = None if gamma is None else gamma.reshape(x.shape[-1])
     if cast_mode == "none":
         return _rms_norm_no_cast(x, g, eps)

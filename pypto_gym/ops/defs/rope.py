@@ -11,8 +11,9 @@ rope(q, k, cos, sin) = (q*cos + rotate_half(q)*sin, k*cos + rotate_half(k)*sin),
   and sin are the un-merged (3, B, S, E) planes, and the section selection happens inside the op;
   transformers 5.x merges them once per forward and hands over the merged (B, S, E) form.
 - cast modes: `hf` rounds as HF's text function does (each product and the sum in the promoted dtype
-  of q and cos); `fp32` upcasts q, k, cos and sin, computes in fp32 and rounds once to q's and k's
-  dtypes (HF's `apply_rotary_pos_emb_vision`; vLLM and torch_npu's kernels). The torch backend is
+  of q and cos; also vLLM's text rotary, which rounds every product in the model dtype); `fp32` upcasts
+  q, k, cos and sin, computes in fp32 and rounds once to q's and k's dtypes (HF's
+  `apply_rotary_pos_emb_vision`, torch_npu's kernels). The torch backend is
   bit-identical to the HF function of each form.
 
 qk_norm_rope(q, k, q_weight, k_weight, cos, sin, ...) = rope(rms_norm(q), rms_norm(k), cos, sin): the

@@ -1,8 +1,9 @@
 """swiglu (SPEC 10): y = silu(gate) * up, the middle of every SwiGLU MLP (down_proj(act(gate_proj(x)) * up_proj(x))).
 
 - `hf` (default): rounds exactly as HF eager does, `F.silu(gate) * up`: silu's result rounded to the
-  input dtype, then the product rounded. Bit-identical to HF on the `torch` backend.
-- `fp32`: silu(f32(gate)) * f32(up) in fp32, rounded once (vLLM's SiluAndMul, torch_npu's npu_swiglu).
+  input dtype, then the product rounded. Bit-identical to HF on the `torch` backend, and to vLLM's
+  `SiluAndMul.forward_native` (`F.silu(x[..., :d]) * x[..., d:]`: the same two roundings).
+- `fp32`: silu(f32(gate)) * f32(up) in fp32, rounded once (torch_npu's npu_swiglu).
 
 gate and up are two tensors of one shape [..., I], not one merged [..., 2I]: that is what HF's MLPs
 produce (separate gate_proj and up_proj), so no backend needs a copy to call it; the two halves of a
