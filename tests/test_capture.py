@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 import pypto_gym
 from pypto_gym.capture import CaseError, ShapeRecorder, load_cases
@@ -326,6 +327,8 @@ def test_a_committed_case_file_is_what_capture_writes_now(name, tmp_path):
 
     if name.startswith("gutenocr") and not hardware.native_bf16():
         pytest.skip("GutenOCR-3B's bf16 captures need native bf16 to run in minutes (AVX512-BF16 or AMX)")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("the committed cases are captured with transformers 5.x (4.57 hands MRoPE over unmerged)")
     _capture_cases().capture(name, tmp_path / name)
     assert (tmp_path / name).read_text() == (ROOT / "tests" / "cases" / name).read_text(), \
         f"tests/cases/{name} is stale: run python scripts/capture_cases.py {name}"
