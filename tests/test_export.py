@@ -1,6 +1,7 @@
 """`pypto-gym export` / quant.export: a W8A8 model as a compressed-tensors checkpoint, checked against its real
 consumers: transformers' from_pretrained (through compressed-tensors) and pypto-gym's own loader."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -581,8 +582,8 @@ DAMAGES = {  # name -> (format, edit(dir), words of the one-line refusal)
                         "config.json is not valid JSON"),
     "description a list": ("msmodelslim", lambda d: (d / export.MSMODELSLIM_JSON).write_text("[]"),
                            "quant_model_description.json holds a JSON list"),
-    "dtype bogus": ("compressed-tensors", lambda d: (d / "config.json").write_text(
-        (d / "config.json").read_text().replace('"dtype": "bfloat16"', '"dtype": "bogus"')),
+    "dtype bogus": ("compressed-tensors", lambda d: (d / "config.json").write_text(  # whatever dtype it was written in
+        re.sub(r'"dtype": "[a-z0-9]+"', '"dtype": "bogus"', (d / "config.json").read_text())),
         "config.json dtype 'bogus'; expected"),
     "absurd scale": ("compressed-tensors", lambda d: _scale_of(d / "model.safetensors", f"{Q3_O}.weight_scale", 3e38),
                      f"tensor '{Q3_O}.weight_scale': a dequantised weight of up to"),
@@ -643,3 +644,24 @@ def test_a_fifo_named_like_the_weights_is_not_opened(qwen3_exports, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pypto_gym.cli", "infer", "--model", str(bad), "--use_pto", "--quant",
                            "w8a8"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "model.safetensors is not a regular file" in proc.stderr, proc.stderr
+
+
+def test_two_greedy_runs_are_compared_by_vllms_rule():
+    """compare.agreement: tokens equal up to a divergence; a divergence both top-k lists explain (a near-tie) is
+    close, one they do not is not; logprob differences and top-k boundary gaps in bf16 ulps (ulp 2^-5 at -6)."""
+    from pypto_gym.vllm import compare
+
+    def run(tokens, steps):
+        return {"outputs": [{"token_ids": tokens, "logprobs": steps}]}
+
+    a = run([1, 2, 9], [{"1": -6.0, "5": -6.03125}, {"2": -6.0, "3": -6.0625}, {"9": -1.0}])
+    near_tie = run([1, 3, 4], [{"1": -6.0, "5": -6.0625}, {"3": -6.03125, "2": -6.03125}, {"4": -1.0}])
+    got = compare.agreement(a, near_tie)
+    assert not got["tokens_equal"] and got["close"] and got["diverged_at"] == [1]
+    assert got["max_logprob_diff"] == 0.03125 and got["max_logprob_diff_ulps"] == 1.0
+    far = run([1, 7, 4], [{"1": -6.0, "6": -6.0}, {"7": -1.0, "8": -2.0}, {"4": -1.0}])
+    got = compare.agreement(a, far)
+    assert not got["close"]
+    assert got["max_topk_gap_ulps"] == (-1.0 - -6.0625) / 2 ** -5  # token 7 sits 162 ulps above a's 2nd best
+    assert compare.agreement(a, a) == {**compare.agreement(a, a), "tokens_equal": True, "close": True,
+                                       "max_logprob_diff": 0.0}

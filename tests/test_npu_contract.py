@@ -73,8 +73,9 @@ def test_norms_map_onto_torch_npu(npu, dtype, cast_mode, shape):
         y = npu.rms_norm(x1, g, 1e-6, cast_mode)
         assert_close(y, OPS["rms_norm"].golden(x1, g, 1e-6, cast_mode), ("y",))
         if g is None or g.dtype == dtype or cast_mode == "hf":
-            out = npu.add_rms_norm(x1, x2, g, 1e-6, cast_mode)
-            assert_close(out, OPS["add_rms_norm"].golden(x1, x2, g, 1e-6, cast_mode), ("y", "x_out"))
+            for norm_input in ("rounded", "fp32_sum"):  # fp32_sum: npu_rms_norm of the fp32 sum
+                out = npu.add_rms_norm(x1, x2, g, 1e-6, cast_mode, norm_input)
+                assert_close(out, OPS["add_rms_norm"].golden(x1, x2, g, 1e-6, cast_mode, norm_input), ("y", "x_out"))
     assert torch_npu_standin.calls[:2] == ["npu_rms_norm", "npu_add_rms_norm"]
 
 
@@ -142,7 +143,7 @@ def test_documented_limits(npu, monkeypatch, op, shape, dtype, kwargs, reason):
     if op == "quant":
         args = ("add_rms_norm_dynamic_quant", x, x, g.to(dtype), None, None, None, 1e-6, kwargs["dst_type"])
     elif op == "add_rms_norm":
-        args = (op, x, x, g, 1e-6, kwargs.get("cast_mode", "hf"))
+        args = (op, x, x, g, 1e-6, kwargs.get("cast_mode", "hf"), "rounded")
     else:
         args = (op, x, g, 1e-6, kwargs.get("cast_mode", "hf"))
     got = npu.supports(*args)

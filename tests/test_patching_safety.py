@@ -204,10 +204,10 @@ print(pypto_gym.is_enabled(), r.to_json()["summary"]["calls"])
 """
 
 
-@pytest.mark.parametrize("value,enabled", [(None, True), ("1", True), (" On", True), ("YES", True), ("true", True),
-                                           ("0", False), ("OFF", False), ("No", False), (" 0", False),
-                                           ("FALSE", False)])
+@pytest.mark.parametrize("value,enabled", [(None, True), (" On", True), ("YES", True), ("0", False), ("FALSE", False)])
 def test_use_pto_rms_norm_in_the_library(value, enabled):
+    """The switch as a fresh process reads it at import (each value a process: ~10 s on two cores; the one parsing
+    rule's other spellings are checked in-process, tests/test_cli.py)."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "USE_PTO_RMS_NORM"}

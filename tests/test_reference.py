@@ -95,6 +95,20 @@ def test_add_rms_norm_rounds_the_residual_like_torch_add_and_normalises_it():
     assert torch.equal(y, fp64_rms_norm(x_out, None, 1e-6).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_add_rms_norm_fp32_sum_normalises_the_unrounded_sum_as_vllm_does(backend):
+    """vLLM's fused_add_rms_norm: the residual is the sum rounded once (1.0078125 + 2^-8 = 1.01171875, a tie in
+    bf16, rounds to even: 1.015625), the norm reads the fp32 sum: [1.01171875, 1] normalised is [1.00581,
+    0.99416] exactly, [1.0078125, 0.99609375] in bf16; the rounded residual's norm gives 0.9921875 instead."""
+    x1 = torch.tensor([[1.0078125, 1.0]], dtype=torch.bfloat16)
+    x2 = torch.tensor([[2.0 ** -8, 0.0]], dtype=torch.bfloat16)
+    y, x_out = ops.add_rms_norm(x1, x2, None, 1e-6, norm_input="fp32_sum", backend=backend)
+    assert x_out.tolist() == [[1.015625, 1.0]]
+    assert y.tolist() == [[1.0078125, 0.99609375]]
+    assert torch.equal(y, fp64_rms_norm(torch.tensor([[1.01171875, 1.0]]), None, 1e-6).to(torch.bfloat16))
+    assert ops.add_rms_norm(x1, x2, None, 1e-6, backend=backend)[0].tolist() == [[1.0078125, 0.9921875]]
+
+
 def test_seed_004_add_rms_norm_dynamic_quant_example():
     """Reference 004's aclnn example: x1 = x2 = 0.5 (fp16 0x3800), gamma = smooth1 = smooth2 = 1.5, shape (2, 8)."""
     half = torch.full((2, 8), 0.5, dtype=torch.float16)

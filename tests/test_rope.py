@@ -234,3 +234,66 @@ def test_with_one_of_q_and_k_empty_the_other_is_still_rotated(backend, empty):
         got, want = run_on(backend, op, args), op.golden(*args)
         for g, w_ in zip(got, want):
             assert g.shape == w_.shape and torch.allclose(g, w_, rtol=1e-5, atol=1e-6), op.name
+
+
+# ---- rotary_embedding: vLLM's form of the same rotation --------------------------------------------------------
+def test_rotary_embedding_reads_the_angles_at_each_position_hand_worked():
+    """head 4, rot 4: the cache row at position 2 holds (cos t0, cos t1, sin t0, sin t1); query [1, 2, 3, 4] at
+    position 2 rotates as the hand-worked pairs above, the key at position 0 (angle 0) is unchanged."""
+    t0, t1 = math.pi / 2, math.pi / 3
+    cache = torch.zeros(3, 4)
+    cache[:, :2] = 1.0  # cos 0 = 1, sin 0 = 0 on the other rows
+    cache[2] = torch.tensor([math.cos(t0), math.cos(t1), math.sin(t0), math.sin(t1)])
+    q = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]])
+    expected = [1 * 0 - 3 * 1, 2 * 0.5 - 4 * math.sqrt(3) / 2, 3 * 0 + 1 * 1, 4 * 0.5 + 2 * math.sqrt(3) / 2]
+    for backend in ("torch", "cpu"):
+        qo, ko = ops.rotary_embedding(torch.tensor([2, 0]), q, q, cache, 4, backend=backend)
+        assert qo[0].tolist() == pytest.approx(expected, abs=1e-6)
+        assert torch.equal(qo[1], q[1]) and torch.equal(ko[1], q[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("section", [(), (8, 12, 12)], ids=["rope", "mrope"])
+def test_rotary_embedding_is_ropes_rotation_of_the_gathered_angles(dtype, section):
+    """Gathering cos/sin by position (MRoPE: each section from its own positions row), widening them to the
+    full rotary width and running HF's text function (rope's golden, cos/sin in the model dtype) gives the
+    same bits: the two forms are one rotation; head 128 with partial rotary 64, GQA 4/2 heads."""
+    gen = torch.Generator().manual_seed(1)
+    T, rot = 7, 64
+    angles = torch.rand(40, rot // 2, generator=gen) * 50
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    positions = torch.randint(0, 40, (3, T) if section else (T,), generator=gen)
+    qkv = torch.randn(T, 8 * 128, generator=gen).to(dtype)
+    q, k, _ = qkv.split([4 * 128, 2 * 128, 2 * 128], dim=-1)
+    cos, sin = cache[positions].chunk(2, dim=-1)
+    if section:
+        cos, sin = (torch.cat([m[i] for i, m in enumerate(t.split(list(section), -1))], -1) for t in (cos, sin))
+    cos, sin = (torch.cat((t, t), -1).to(dtype) for t in (cos, sin))
+    want = OPS["rope"].golden(q.reshape(T, 4, 128), k.reshape(T, 2, 128), cos, sin, (), -2, "hf")
+    got = ops.rotary_embedding(positions, q, k, cache, 128, section, backend="torch")
+    assert torch.equal(got[0], want[0].reshape(T, -1)) and torch.equal(got[1], want[1].reshape(T, -1))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_rotary_embedding_into_its_inputs_rotates_them_in_place(backend):
+    """The form vLLM calls: q and k, views of one qkv projection, are overwritten with their rotation and
+    returned; v, between them in memory, is untouched."""
+    gen = torch.Generator().manual_seed(2)
+    T = 5
+    angles = torch.rand(16, 32, generator=gen) * 50
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1).to(torch.bfloat16)
+    qkv = torch.randn(T, 4 * 64, generator=gen).to(torch.bfloat16)
+    before = qkv.clone()
+    q, k, v = qkv.split([2 * 64, 64, 64], dim=-1)
+    positions = torch.randint(0, 16, (T,), generator=gen)
+    want = OPS["rotary_embedding"].golden(positions, q.clone(), k.clone(), cache, 64, (), "hf")
+    got = OPS["rotary_embedding"].call((positions, q, k, cache, 64, [], "hf"), backend, None, into=(q, k))
+    assert got[0] is q and got[1] is k
+    assert torch.equal(q, want[0]) and torch.equal(k, want[1])
+    assert torch.equal(v, before[:, 3 * 64:])
+
+
+def test_rotary_embedding_refuses_a_position_past_the_cache():
+    cache = torch.ones(4, 8)
+    with pytest.raises(ValueError, match=r"positions: values 0\.\.4; expected rows of cos_sin_cache, 0\.\.3"):
+        ops.rotary_embedding(torch.tensor([0, 4]), torch.ones(2, 8), torch.ones(2, 8), cache, 8)

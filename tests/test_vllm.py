@@ -44,7 +44,8 @@ def calibrated_export(request, tmp_path_factory):
 def test_vllm_serves_the_default_export_as_pypto_gym_runs_it(calibrated_export):
     """vLLM refused every default export (an int8 lm_head it cannot load) and took the tiny checkpoints for pooling
     models (no `architectures`): now it loads the calibrated export, runs its own W8A8 kernels on it, and its greedy
-    tokens equal pypto-gym's over 8 tokens for 3 prompts, its top-5 logprobs within bf16's rounding."""
+    run is pypto-gym's over 8 tokens for 3 prompts by vLLM's rule (tokens equal up to a near-tie both top-5 lists
+    hold: on a tiny random model the top logprobs are a few bf16 ulps apart), logprobs within 4 bf16 ulps."""
     family, tmp = calibrated_export
     for f in ("model.safetensors", "config.json"):  # releasing the float weights changes nothing written
         assert (tmp / "released" / f).read_bytes() == (tmp / "default" / f).read_bytes(), f
@@ -56,8 +57,9 @@ def test_vllm_serves_the_default_export_as_pypto_gym_runs_it(calibrated_export):
     assert theirs["quantization"] == "compressed-tensors" and ours["int8_linears"] == 28
     got = compare.agreement(theirs, ours)
     print(f"{family.NAME}: {got}")
-    assert got["tokens_equal"], (theirs["outputs"], ours["outputs"])
-    assert got["max_logprob_diff"] < 0.05 and got["min_topk_overlap"] >= 0.6, got
+    # two engines' bf16 roundings: a near-tie may go either way (vLLM's own rule), logprobs within 4 bf16 ulps
+    assert got["close"], (got, theirs["outputs"], ours["outputs"])
+    assert got["max_logprob_diff_ulps"] <= 4 and got["max_topk_gap_ulps"] <= 4, got
 
 
 def test_an_int8_lm_head_export_is_refused_by_vllm_as_the_summary_says(tmp_path):
@@ -77,8 +79,9 @@ def _vllm_env(tmp_path, **extra):
 
 def test_every_provider_takes_vllms_own_semantics_in_vllm():
     """Run in vLLM's venv (tests/vllm_checks.py): each provider on the torch backend is bit-identical to vLLM's
-    reference (impls["native"], forward_native) in fp32, bf16 and fp16 (fused_add_rms_norm: fp32; 16-bit calls
-    declined with the reason), on the cpu kernels within SPEC 5; GPT-J's rotation declined and counted."""
+    reference (impls["native"], forward_native) in fp32, bf16 and fp16 (fused_add_rms_norm too: the op's fp32_sum
+    norm input is vLLM's), on the cpu kernels within SPEC 5; the rotary embeddings in place; a variance_size and
+    GPT-J's rotation declined and counted."""
     import subprocess
 
     proc = subprocess.run([VLLM_PYTHON, str(ROOT / "tests" / "vllm_checks.py")], capture_output=True, text=True,
@@ -116,22 +119,55 @@ def test_the_plugin_serves_the_same_tokens_and_says_what_ran_where(name, tmp_pat
     assert len(batches) >= 2  # prefill chunks and decode batches of several sequences
 
 
-def test_a_declined_call_is_counted_with_its_reason_and_strict_mode_raises(tmp_path):
-    """bf16: vLLM normalises fused_add_rms_norm's unrounded fp32 sum, the op its rounded residual: declined to
-    vLLM's native code, counted with that reason, the tokens vLLM's own; with PYPTO_GYM_STRICT=1 the engine stops
-    with the reason instead."""
+def test_bf16_serving_takes_every_provider_and_keeps_vllms_tokens(tmp_path):
+    """bf16, the dtype a deployment serves: fused_add_rms_norm is taken too (vLLM normalises the unrounded fp32 sum,
+    which the op's fp32_sum norm input reads), nothing is declined, and the greedy run is vLLM's own by vLLM's rule
+    for comparing two runs (compare.agreement)."""
     from pypto_gym.vllm import report
 
     family = models.FAMILIES["qwen3"]
     prompts = _prompts(family)[:2]
     plain = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 8)
     fused = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 8, env=_vllm_env(tmp_path))
-    assert compare.agreement(plain, fused)["tokens_equal"]
-    declined = report.merged(tmp_path / "report")["ops"]["fused_add_rms_norm"]["declined"]
-    assert any("normalises the unrounded fp32 sum" in reason for reason in declined), declined
+    got = compare.agreement(plain, fused)  # bf16 kernels round differently from vLLM's torch code: near-ties may flip
+    assert got["close"] and got["max_logprob_diff_ulps"] <= 4, (got, plain["outputs"], fused["outputs"])
+    ops = report.merged(tmp_path / "report")["ops"]
+    for op in ("rms_norm", "fused_add_rms_norm", "SiluAndMul", "RotaryEmbedding"):
+        assert ops[op]["calls"] > 0 and not ops[op]["declined"] and set(ops[op]["ran_on"]) == {"cpu"}, (op, ops[op])
+
+
+def tiny_gptj(out: Path) -> Path:
+    """A one-layer GPT-J (random weights, the tiny Llama's tokenizer): vLLM rotates it GPT-J style (interleaved),
+    which no pypto-gym rotary op computes."""
+    import shutil
+
+    import torch
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    llama = models.FAMILIES["llama"].TINY_DIR
+    vocab = json.loads((llama / "config.json").read_text())["vocab_size"]
+    config = GPTJConfig(vocab_size=vocab, n_positions=256, n_embd=128, n_layer=1, n_head=2, rotary_dim=16,
+                        bos_token_id=1, eos_token_id=2, architectures=["GPTJForCausalLM"])
+    torch.manual_seed(0)
+    GPTJForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(llama / name, out / name)
+    return out
+
+
+def test_a_declined_call_is_counted_with_its_reason_and_strict_mode_raises(tmp_path):
+    """GPT-J's interleaved rotation: the provider declines it to vLLM's native code, counted with the reason; with
+    PYPTO_GYM_STRICT=1 the engine stops with the reason instead."""
+    from pypto_gym.vllm import report
+
+    model = tiny_gptj(tmp_path / "gptj")
+    fused = compare.vllm_run(VLLM_PYTHON, model, [[5, 6, 7]], 4, dtype="float32", env=_vllm_env(tmp_path))
+    assert len(fused["outputs"][0]["token_ids"]) == 4
+    declined = report.merged(tmp_path / "report")["ops"]["RotaryEmbedding"]["declined"]
+    assert any(reason.startswith("GPT-J interleaved rotation") and n > 0 for reason, n in declined.items()), declined
     with pytest.raises(RuntimeError, match="would run vLLM's native code \\(strict mode\\)"):
-        compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 2, env=_vllm_env(tmp_path / "strict",
-                                                                               PYPTO_GYM_STRICT="1"))
+        compare.vllm_run(VLLM_PYTHON, model, [[5, 6, 7]], 2, dtype="float32",
+                         env=_vllm_env(tmp_path / "strict", PYPTO_GYM_STRICT="1"))
 
 
 def test_tensor_parallel_ranks_run_the_sharded_shapes_and_report_together(tmp_path):

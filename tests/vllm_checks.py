@@ -5,7 +5,7 @@
 Each provider is compared with what vLLM runs without it: `vllm.ir.ops.<op>.impls["native"]` for the norms, the
 layer's `forward_native` for the custom ops, on random inputs of every float dtype and the layouts vLLM hands
 over (partial rotary, GQA head counts, MRoPE sections, 2-D positions). On the `torch` backend (pypto-gym's
-goldens in the cast mode the provider uses) bit for bit: the semantics are vLLM's; on `cpu` within SPEC 5's
+goldens in the cast mode and norm input the provider uses) bit for bit: the semantics are vLLM's; on `cpu` within SPEC 5's
 rule, as the cpu kernels are of the goldens. A call the provider must decline is declined with its reason.
 """
 import json
@@ -64,12 +64,13 @@ def run_checks(backend, check, same, gen, providers, ir_ops):
                 got = providers.rms_norm(x, weight, 1e-6)
                 check(f"{backend} rms_norm", same(got, want), f"{dtype} {T}x{D} weight={weight is not None}")
             want = ir_ops.fused_add_rms_norm.impls["native"].impl_fn(x, r, w, 1e-6)
-            if providers.fused_add_rms_norm_supports(x, r, w, 1e-6):
-                got = providers.fused_add_rms_norm(x, r, w, 1e-6)
-                check(f"{backend} fused_add_rms_norm", same(got, want), f"{dtype} {T}x{D}")
-            else:  # declined: 16-bit dtypes, where vLLM normalises the unrounded sum
-                check("fused_add_rms_norm declines 16-bit", dtype != torch.float32, f"{dtype}")
-    check("declined counted", bool(providers.COUNTERS.declined["fused_add_rms_norm"]), "no reason counted")
+            assert providers.fused_add_rms_norm_supports(x, r, w, 1e-6)
+            got = providers.fused_add_rms_norm(x, r, w, 1e-6)
+            check(f"{backend} fused_add_rms_norm", same(got, want), f"{dtype} {T}x{D}")
+    for name, supports in (("rms_norm", lambda: providers.rms_norm_supports(x, w, 1e-6, 64)),
+                           ("fused_add_rms_norm", lambda: providers.fused_add_rms_norm_supports(x, r, w, 1e-6, 64))):
+        check(f"{name} declines variance_size", not supports()
+              and any("variance_size" in reason for reason in providers.COUNTERS.declined[name]), "not declined")
 
     with set_current_vllm_config(VllmConfig()):
         from vllm.model_executor.layers.activation import SiluAndMul

@@ -7,7 +7,7 @@ query and 2 KV heads, MLP 11008) with random weights and a few layers, written a
 its own process (the plugin is per process): off, on, off, on; the best of each side. The on runs capture the
 shapes vLLM's scheduler gives the providers; each distinct shape is then timed here, pypto-gym's provider (its
 cpu kernel) against vLLM's op: the IR ops' native torch code, `SiluAndMul.forward_native`, and vLLM's own C++
-`rotary_embedding` (the CPU anchors to beat).
+`rotary_embedding` (the CPU anchors to beat), each in place on views of one qkv projection as vLLM calls them.
 """
 from __future__ import annotations
 
@@ -84,15 +84,15 @@ def _op_pairs(case):
             gate = args[0]
             x = torch.randn(*gate.shape[:-1], 2 * gate.shape[-1], dtype=gate.dtype)
             return SiluAndMul().forward_cpu, SiluAndMul.forward_native, (x,)
-        if op == "rope":
-            q, k, cos = args[0], args[1], args[2]
-            T, H, D = q.shape
-            layer = get_rope(D, max_position=4096, is_neox_style=True, dtype=q.dtype,
-                             rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": cos.shape[-1] / D})
-            positions = torch.arange(T) % 4096
-            qf, kf = q.reshape(T, -1).contiguous(), k.reshape(T, -1).contiguous()
-            return (lambda: layer.forward_cpu(positions, qf, kf),
-                    lambda: RotaryEmbedding.forward_cpu(layer, positions, qf, kf), ())
+        if op == "rotary_embedding" and args[0].dim() == 1:  # q and k: views of one qkv projection, as vLLM's
+            positions, q, k, cache, head_size = args[:5]
+            layer = get_rope(head_size, max_position=cache.shape[0], is_neox_style=True, dtype=q.dtype,
+                             rope_parameters={"rope_theta": 10000.0,
+                                              "partial_rotary_factor": cache.shape[-1] / head_size})
+            widths = [q.shape[-1], k.shape[-1], k.shape[-1]]
+            qv, kv, _ = torch.randn(q.shape[0], sum(widths), dtype=q.dtype).split(widths, dim=-1)
+            return (lambda: layer.forward_cpu(positions, qv, kv),
+                    lambda: RotaryEmbedding.forward_cpu(layer, positions, qv, kv), ())
     return None
 
 

@@ -45,15 +45,33 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        # every file is written atomically at the end of a command: an interrupted one wrote nothing
-        print(f"pypto-gym {args.command}: interrupted; nothing written", file=sys.stderr)
-        return 130
+        return _interrupted(args.command)
     except (UserError, OSError, ValueError, TypeError, RuntimeError) as e:
+        if _caused_by_ctrl_c(e):  # Ctrl-C inside a class body Python was creating: a RuntimeError wraps it
+            return _interrupted(args.command)
         if os.environ.get("PYPTO_GYM_DEBUG"):
             raise
         text = " ".join(str(e).split()) or type(e).__name__
         print(f"pypto-gym {args.command}: error: {text}", file=sys.stderr)
         return 2
+
+
+def _interrupted(command: str) -> int:
+    # every file is written atomically at the end of a command: an interrupted one wrote nothing
+    print(f"pypto-gym {command}: interrupted; nothing written", file=sys.stderr)
+    return 130
+
+
+def _caused_by_ctrl_c(error: BaseException) -> bool:
+    """A KeyboardInterrupt somewhere in the error's chain (`Error calling __set_name__ ...` from a lazy import
+    of transformers interrupted half-way, for one)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 __all__ = ["main", "build_parser", "UserError"]

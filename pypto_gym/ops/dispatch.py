@@ -146,10 +146,12 @@ def reference():
         _REFERENCE.pop()
 
 
-def call(op, requested: str, stats: Stats, args: tuple):
-    """Resolve, run and count one call of `op` (validated positional `args`)."""
+def call(op, requested: str, stats: Stats, args: tuple, into: tuple | None = None):
+    """Resolve, run and count one call of `op` (validated positional `args`). `into`: tensors to write the outputs
+    into (the op's in-place form, vLLM's rotary embedding for one): an implementation registered with `into=True`
+    writes them itself, any other's results (the golden's too) are copied in; `into` is returned."""
     if _REFERENCE:
-        return op.golden(*args)
+        return _written(op.golden(*args), into)
     if RECORDERS and stats.site is not None:
         for recorder in RECORDERS:
             recorder.record(op, stats, args)
@@ -158,19 +160,29 @@ def call(op, requested: str, stats: Stats, args: tuple):
         if _strict(stats):
             raise BackendFallbackError(f"pypto_gym.{op.name}: {reason}; would fall back to torch (strict mode)")
         _count_fallback(stats, reason)
+    writes = into is not None and impl is not None and impl.into
     if impl is None:
         out = op.golden(*args)
     else:
         try:
-            out = impl.fn(backend, *args)
+            out = impl.fn(backend, *args, out=into) if writes else impl.fn(backend, *args)
         except Exception as e:  # noqa: BLE001 - policy: a failing kernel must not take the model down
-            if _strict(stats):
+            if _strict(stats) or writes:  # an in-place kernel may have written part of its inputs: no rerun
                 raise
             out = _defect(op, backend.name, e, stats, args)
             backend = TORCH
     ran = stats.ran
     ran[backend.name] = ran.get(backend.name, 0) + 1
-    return out
+    return out if into is None or writes else _written(out, into)
+
+
+def _written(out, into):
+    """`out` copied into the tensors `into` (returned in the outputs' structure); `out` itself without `into`."""
+    if into is None:
+        return out
+    for t, o in zip(into, out if isinstance(out, tuple) else (out,)):
+        t.copy_(o)
+    return into if isinstance(out, tuple) else into[0]
 
 
 def _defect(op, backend: str, error, stats, args):

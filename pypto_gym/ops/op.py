@@ -34,11 +34,14 @@ _is_grad_enabled = torch.is_grad_enabled
 
 @dataclass
 class Impl:
-    """One backend's implementation of one op: `fn(*args)` and a pure `supports(*args) -> reason | None`."""
+    """One backend's implementation of one op: `fn(*args)` and a pure `supports(*args) -> reason | None`.
+    `into`: fn also takes `out=` tensors to write its outputs into (for the op's in-place form: `Op.call`'s
+    `into`), and writes nothing before its own checks have passed."""
 
     backend: str
     fn: Callable
     supports: Callable | None = None
+    into: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,11 +117,11 @@ class Op:
     def __call__(self, *args, **kwargs):
         return self.entry(*args, **kwargs)
 
-    def impl(self, backend: str, supports: Callable | None = None):
+    def impl(self, backend: str, supports: Callable | None = None, into: bool = False):
         """Register `fn(backend, *args)` as this op's implementation on a backend family (decorator);
-        `supports(backend, *args)` returns why a call is not taken, or None."""
+        `supports(backend, *args)` returns why a call is not taken, or None; `into`: fn takes `out=` (Impl)."""
         def register(fn):
-            self.impls[backend] = Impl(backend, fn, supports)
+            self.impls[backend] = Impl(backend, fn, supports, into)
             return fn
         return register
 
@@ -138,8 +141,10 @@ class Op:
         return ctx
 
     # -- calling ---------------------------------------------------------------------------------------
-    def call(self, args: tuple, backend, stats):
+    def call(self, args: tuple, backend, stats, into: tuple | None = None):
         """Validate, then run through dispatch (eagerly, or through the custom op when traced or with autograd).
+        `into`: write the outputs into these tensors (of the outputs' shapes and dtypes; they may be the inputs the
+        outputs replace, as vLLM's in-place rotary embedding wants) and return them.
 
         Validation depends only on the arguments' types, dtypes, shapes, devices and scalar values, so a call
         whose signature equals the last validated one (a model calls an op with the same kind of arguments
@@ -160,8 +165,8 @@ class Op:
         backend = registry.default_backend() if backend is None else registry.check_name(backend)
         stats = dispatch.GLOBAL if stats is None else stats
         if eager:
-            return dispatch.call(self, backend, stats, args)
-        return self.from_custom(self.custom_op(*args, backend, stats.id), args)
+            return dispatch.call(self, backend, stats, args, into)
+        return dispatch._written(self.from_custom(self.custom_op(*args, backend, stats.id), args), into)
 
     def eager(self, args) -> bool:
         """True when dispatch may run without the dispatcher: not traced, no autograd graph to record,
@@ -356,18 +361,22 @@ class BoundCall:
         return BoundCall, (self.op, self.backend, self.stats, self.constants)
 
     def __call__(self, *free):
-        return self._fast(self, free)
+        return self._fast(self, free, None)
 
-    def traced(self, args):
+    def into(self, outs: tuple, *free):
+        """The call with its outputs written into `outs` (Op.call's `into`), which it returns."""
+        return self._fast(self, free, outs)
+
+    def traced(self, args, into=None):
         """The call as torch.compile traces it: the custom op, its arguments checked by the fake kernel. It reads
         no attribute that changes between calls (`_key`, the op's last validated call): dynamo guards on what a
         traced function reads, so a per-call cache read here would recompile the graph for every new prompt."""
         op = self.op
-        return op.from_custom(op.custom_op(*args, self.backend, self.stats.id), args)
+        return dispatch._written(op.from_custom(op.custom_op(*args, self.backend, self.stats.id), args), into)
 
-    def slow(self, key, args):
+    def slow(self, key, args, into=None):
         """A call of another kind than the last: the entry path (validation), remembered if it may go eager."""
-        out = self.op.call(args, self.backend, self.stats)
+        out = self.op.call(args, self.backend, self.stats, into)
         if self.op._last[0] is not None and self.op._last[1]:  # validated and eager: the same kind goes straight on
             self._key = key
         return out
@@ -396,19 +405,19 @@ def _fast_path(op: Op, bound: tuple):
             kind.append(f"a{i}")
     args = ", ".join(f"a{i}" if not b else f"t[{i}]" for i, b in enumerate(bound))
     unpack = ", ".join(names) + ("," if len(names) == 1 else "")
-    source = (f"def fast(b, free):\n"
+    source = (f"def fast(b, free, into):\n"
               f"    {unpack} = free\n"
               f"    t = b._template\n"
               f"    args = ({args}{',' if len(bound) == 1 else ''})\n"
               f"    if _compiling():\n"
-              f"        return b.traced(args)\n"
+              f"        return b.traced(args, into)\n"
               f"    try:\n"
               f"        key = (_grad(), {', '.join(kind)})\n"
               f"    except AttributeError:  # not a tensor where one belongs: the entry path says which\n"
-              f"        return b.slow(None, args)\n"
+              f"        return b.slow(None, args, into)\n"
               f"    if key == b._key:\n"
-              f"        return _dispatch(b.op, b.backend, b.stats, args)\n"
-              f"    return b.slow(key, args)\n")
+              f"        return _dispatch(b.op, b.backend, b.stats, args, into)\n"
+              f"    return b.slow(key, args, into)\n")
     namespace = {"_grad": _is_grad_enabled, "_compiling": _is_compiling, "_dispatch": dispatch.call, "_sig": _sig}
     exec(compile(source, f"<pypto_gym bound {op.name}>", "exec"), namespace)  # noqa: S102 - our own text
     _FAST_PATHS[cache_key] = namespace["fast"]

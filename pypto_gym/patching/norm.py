@@ -101,7 +101,8 @@ class NormSite(Site):
         # "hf" (the default) means as the module rounds: HF-Llama's two roundings, or the one its probe found
         self.cast_mode = cand.info["cast_mode"] if options.cast_mode == "hf" else options.cast_mode
         self.call = RMS_NORM.bind(options.backend, self.stats, eps=self.eps, cast_mode=self.cast_mode)
-        self.add_call = ADD_RMS_NORM.bind(options.backend, self.stats, eps=self.eps, cast_mode=self.cast_mode)
+        self.add_call = ADD_RMS_NORM.bind(options.backend, self.stats, eps=self.eps, cast_mode=self.cast_mode,
+                                          norm_input="rounded")
         self.fused = False
         self.fused_into = None  # "qk_norm_rope at <attention path>": the rotary site normalises for this norm
         self.bypassed: dict[str, int] = {}  # fused calls that ran unfused, by reason

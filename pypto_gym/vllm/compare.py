@@ -64,14 +64,41 @@ def own_run(model_dir, prompts: list[list[int]], max_tokens: int, logprobs: int 
 
 
 def agreement(theirs: dict, ours: dict) -> dict:
-    """Greedy tokens equal per prompt; over every step, the largest |logprob difference| of the tokens both top-k
-    lists hold, and the smallest share of top-k tokens they share."""
-    equal, diffs, overlap = [], [0.0], [1.0]
+    """Two greedy runs side by side, per vLLM's own rule for comparing engines (its tests' check_logprobs_close):
+    per prompt the tokens are compared up to the first step where they differ; there each side's token must be in
+    the other's top-k (a near-tie between two candidates that rounding decides, which greedy decoding then follows
+    into different contexts, so the rest of that prompt is not compared). `tokens_equal`: no prompt diverged;
+    `close`: every divergence was such a near-tie. Over the compared steps: the largest |logprob difference| of the
+    tokens both top-k lists hold, also in bf16 ulps of that logprob (`max_logprob_diff_ulps`: the rounding a bf16
+    model's logits carry), the smallest share of top-k tokens both hold, and `max_topk_gap_ulps`: how far (bf16
+    ulps) a token one list holds and the other does not lies above the other list's k-th logprob (near 0: a tie
+    at the boundary, which a nearly flat distribution such as a tiny random model's has many of)."""
+    equal, close, diverged, diffs, ulps, overlap, gaps = [], [], [], [0.0], [0.0], [1.0], [0.0]
     for t, o in zip(theirs["outputs"], ours["outputs"]):
-        equal.append(t["token_ids"] == o["token_ids"])
-        for ts, os_ in zip(t["logprobs"], o["logprobs"]):
+        steps = list(zip(t["token_ids"], o["token_ids"], t["logprobs"], o["logprobs"]))
+        where = next((i for i, (a, b, _, _) in enumerate(steps) if a != b), None)
+        equal.append(where is None and len(t["token_ids"]) == len(o["token_ids"]))
+        diverged.append(where)
+        if where is not None:
+            a, b, ts, os_ = steps[where]
+            close.append(str(a) in os_ and str(b) in ts)
+        for _, _, ts, os_ in steps[:None if where is None else where + 1]:
             both = set(ts) & set(os_)
             overlap.append(len(both) / max(1, len(ts)))
-            diffs += [abs(ts[k] - os_[k]) for k in both]
-    return {"tokens_equal": all(equal), "prompts": len(equal), "max_logprob_diff": max(diffs),
-            "min_topk_overlap": min(overlap)}
+            for one, other in ((ts, os_), (os_, ts)):
+                floor = min(other.values())
+                gaps += [(one[k] - floor) / bf16_ulp(floor) for k in set(one) - both]
+            for k in both:
+                d = abs(ts[k] - os_[k])
+                diffs.append(d)
+                ulps.append(d / bf16_ulp(max(abs(ts[k]), abs(os_[k]))))
+    return {"tokens_equal": all(equal), "close": all(close), "prompts": len(equal), "diverged_at": diverged,
+            "max_logprob_diff": max(diffs), "max_logprob_diff_ulps": max(ulps), "min_topk_overlap": min(overlap),
+            "max_topk_gap_ulps": max(gaps)}
+
+
+def bf16_ulp(x: float) -> float:
+    """The spacing of bf16 values at |x| (8 significant bits)."""
+    import math
+
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 2.0 ** -126))) - 7)

@@ -4,18 +4,17 @@ What is replaced, and which of pypto-gym's cast modes is bit-identical to vLLM's
 proves each against vLLM's own code in its venv):
 - `vllm.ir.ops.rms_norm` -> `rms_norm`, cast mode `hf`: vLLM rounds the normalised fp32 x to the weight's dtype
   and multiplies there (`x.to(weight.dtype) * weight`), which for a weight of x's dtype is HF's two roundings.
-- `vllm.ir.ops.fused_add_rms_norm` -> `add_rms_norm`, cast mode `hf`: vLLM adds in fp32 and rounds the residual
-  once (torch's own add of two 16-bit tensors rounds the same fp32 sum), but normalises the *unrounded* fp32 sum;
-  `add_rms_norm` normalises the rounded residual (SPEC 2.2). They agree exactly where the sum is exact in the
-  model dtype (fp32 models), and within an ulp elsewhere: 16-bit calls are declined with that reason, so what
-  vLLM serves stays bit-identical to its native path.
+- `vllm.ir.ops.fused_add_rms_norm` -> `add_rms_norm`, cast mode `hf`, `norm_input="fp32_sum"`: vLLM adds in fp32,
+  rounds the residual once (torch's own add of two 16-bit tensors rounds the same fp32 sum) and normalises the
+  *unrounded* fp32 sum, which is what that norm input reads (HF's layer, the op's default, normalises the
+  rounded residual).
 - `SiluAndMul` -> `swiglu` on the two halves of x (views, no copy), cast mode `hf`: `F.silu(x[:d]) * x[d:]`.
-- `RotaryEmbedding` -> `rope`, cast mode `hf` (vLLM rounds every product in the model dtype, the half rotation
-  `x1*cos - x2*sin, x2*cos + x1*sin` is HF's `x*cos + rotate_half(x)*sin` term by term): cos/sin gathered from
-  `cos_sin_cache` by `positions`, q and k in one call, a partial `rotary_dim`, written back into query and key
-  in place as vLLM's CPU kernel does. GPT-J's interleaved rotation is declined (not a layout the op has).
-- `MRotaryEmbedding` -> `rope` with Qwen2.5-VL's `mrope_section` (positions [3, T]); interleaved sections are
-  declined.
+- `RotaryEmbedding` -> `rotary_embedding` (vLLM's own form: cos/sin read from its `cos_sin_cache` at each
+  token's position), cast mode `hf` (vLLM rounds cos/sin to the model dtype and every product there), q and k in
+  one call, a partial `rotary_dim`, written over query and key in place, as vLLM's CPU kernel does (no gathered
+  table, no new tensors). GPT-J's interleaved rotation is declined (not a layout the op has).
+- `MRotaryEmbedding` -> `rotary_embedding` with Qwen2.5-VL's `mrope_section` (positions [3, T]); interleaved
+  sections are declined.
 
 Declined calls go to vLLM's native code (IR ops: `supports_args`; custom ops: the parent's forward), counted
 per op with the reason; in strict mode (PYPTO_GYM_STRICT=1) a declined call raises. The backend follows
@@ -94,9 +93,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
 def fused_add_rms_norm_supports(x: torch.Tensor, x_residual: torch.Tensor, weight: torch.Tensor | None,
                                 epsilon: float, variance_size: int | None = None) -> bool:
     reason = _norm_reason(x, weight, variance_size)
-    if reason is None and x.dtype != torch.float32:
-        reason = (f"{str(x.dtype).replace('torch.', '')}: vLLM normalises the unrounded fp32 sum, add_rms_norm the "
-                  f"rounded residual (equal in fp32, an ulp apart in 16-bit dtypes)")
     if reason is None and (x_residual.dtype != x.dtype or x_residual.shape != x.shape):
         reason = "x_residual of another dtype or shape than x"
     if reason:
@@ -107,7 +103,8 @@ def fused_add_rms_norm_supports(x: torch.Tensor, x_residual: torch.Tensor, weigh
 def fused_add_rms_norm(x: torch.Tensor, x_residual: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
                        variance_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     gamma = weight if weight is not None else torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-    return bound("fused_add_rms_norm", "add_rms_norm", cast_mode="hf")(x, x_residual, gamma, epsilon)
+    return bound("fused_add_rms_norm", "add_rms_norm", cast_mode="hf", norm_input="fp32_sum")(
+        x, x_residual, gamma, epsilon)
 
 
 def chosen_ops(text: str | None) -> tuple:
@@ -167,7 +164,7 @@ def _silu_and_mul_class():
 
 def _rope_reason(layer, query, key, positions) -> str | None:
     if not layer.is_neox_style:
-        return "GPT-J interleaved rotation: not a layout the rope op has (half rotation only)"
+        return "GPT-J interleaved rotation: not a layout pypto-gym's rotary ops have (half rotation only)"
     if key is None:
         return "no key (cross-layer KV sharing)"
     if query.dtype not in _FLOATS or key.dtype != query.dtype:
@@ -177,29 +174,12 @@ def _rope_reason(layer, query, key, positions) -> str | None:
     return None
 
 
-def _angle_tables(layer, query):
-    """cos and sin at full rotary width ([positions, rot]: the neox halves share an angle), made once per layer,
-    dtype and device from its cos_sin_cache (vLLM's own rounding of the cache to the model dtype)."""
-    cache = layer._match_cos_sin_cache_dtype(query)
-    tables = layer.__dict__.get("_pypto_gym_angles")
-    if tables is None or tables[0] is not cache:
-        cos, sin = cache.chunk(2, dim=-1)
-        tables = layer.__dict__["_pypto_gym_angles"] = (cache, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
-    return tables[1], tables[2]
-
-
 def _rotate_in_place(layer, positions, query, key, op_name, section=()):
-    """q and k rotated by `rope` (hf mode) with cos/sin gathered by positions, written back in place."""
-    cos_table, sin_table = _angle_tables(layer, query)
-    cos, sin = cos_table[positions], sin_table[positions]  # [T, rot], or the [3, T, rot] MRoPE planes
-    T = positions.shape[-1]
-    q = query.view(T, -1, layer.head_size)
-    k = key.view(T, -1, layer.head_size)
-    q_embed, k_embed = bound(op_name, "rope", mrope_section=tuple(section), unsqueeze_dim=-2, cast_mode="hf")(
-        q, k, cos, sin)
-    q.copy_(q_embed)
-    k.copy_(k_embed)
-    return query, key
+    """q and k rotated by `rotary_embedding` (hf mode) from the layer's cache (in the query's dtype, as vLLM matches
+    it), written over query and key as vLLM's CPU kernel does."""
+    cache = layer._match_cos_sin_cache_dtype(query)
+    return bound(op_name, "rotary_embedding", head_size=layer.head_size, mrope_section=tuple(section),
+                 cast_mode="hf").into((query, key), positions, query, key, cache)
 
 
 def _rotary_class():

@@ -233,6 +233,37 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half"):
     return _rotary(input, r1, r2)
 
 
+def npu_mrope(positions, query, key, cos_sin_cache, head_size, *, mrope_section=None, rotary_mode="half"):
+    """aclnnRopeWithSinCosCache: cos, sin = cos_sin_cache[positions].chunk(2) (mrope: section i from positions[i]),
+    the first rot dims of each head rotated, the rest passed through; Atlas A2/A3 only."""
+    calls.append("npu_mrope")
+    _check(_a2_a3(), "npu_mrope: Atlas A2/A3 only")
+    _check(rotary_mode == "half", f"npu_mrope: rotary_mode {rotary_mode!r} (this stand-in: half)")
+    _check(positions.dtype in (torch.int32, torch.int64) and positions.dim() in (1, 2),
+           f"npu_mrope: positions {positions.dtype} {tuple(positions.shape)}")
+    _check(query.dim() == 2 and key.dim() == 2 and cos_sin_cache.dim() == 2, "npu_mrope: 2-D query, key, cache")
+    _check(len({query.dtype, key.dtype, cos_sin_cache.dtype}) == 1, "npu_mrope: one dtype")
+    T = positions.shape[-1]
+    rot = cos_sin_cache.shape[-1]
+    _check(query.shape[0] == T and key.shape[0] == T and query.shape[1] % head_size == 0
+           and key.shape[1] % head_size == 0 and rot <= head_size, "npu_mrope: shapes")
+    cos, sin = cos_sin_cache.float()[positions.long()].chunk(2, dim=-1)
+    if positions.dim() == 2:
+        _check(positions.shape[0] == 3 and mrope_section is not None and len(mrope_section) == 3
+               and 2 * sum(mrope_section) == rot, f"npu_mrope: mrope_section {mrope_section}")
+        starts = [0, mrope_section[0], mrope_section[0] + mrope_section[1], rot // 2]
+        cos, sin = (torch.cat([t[i, :, starts[i]:starts[i + 1]] for i in range(3)], dim=-1) for t in (cos, sin))
+
+    def one(x):
+        x3 = x.float().reshape(T, -1, head_size)
+        r = x3[..., :rot]
+        r1, r2 = r[..., : rot // 2], r[..., rot // 2:]
+        c, s = cos[:, None, :], sin[:, None, :]
+        y = torch.cat((r1 * c - r2 * s, r2 * c + r1 * s, x3[..., rot:]), dim=-1)
+        return y.reshape(x.shape).to(x.dtype)
+    return one(query), one(key)
+
+
 def npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSND", rotary_mode="half"):
     calls.append("npu_apply_rotary_pos_emb")
     _check(layout == "BSND" and rotary_mode == "half", f"npu_apply_rotary_pos_emb: {layout}, {rotary_mode}")

@@ -19,15 +19,16 @@ def to(t, dtype):
     return t if dtype == FP32 else pypto.cast(t, dtype)
 
 
-def norm(x, g, out_dtype, eps, inv_d, mode):
-    """SPEC 2.1 in the given cast mode (defs/rms_norm.py writes the same formulas in torch)."""
+def norm(x, g, out_dtype, eps, inv_d, mode, dtype):
+    """SPEC 2.1 in the given cast mode (defs/rms_norm.py writes the same formulas in torch); hf rounds x * r to
+    `dtype`: x's own, or the inputs' when x is their fp32 sum (add_rms_norm's fp32_sum)."""
     if mode == NO_CAST:  # reference 000's no-cast path: the input dtype throughout
         rms = pypto.sqrt(pypto.sum(x * x * inv_d, -1, keepdim=True) + eps)
         return x / rms * g
     xf = f32(x)
     n = xf * pypto.rsqrt(pypto.sum(xf * xf * inv_d, -1, keepdim=True) + eps)
     if mode == HF:  # HF casts x * r to x's dtype before the weight; the product is in the output dtype
-        nc = f32(pypto.cast(n, x.dtype)) if x.dtype != FP32 else n
+        nc = f32(pypto.cast(n, dtype)) if dtype != FP32 else n
         return to(nc * f32(g), out_dtype)
     return to(n * f32(g), out_dtype)
 
@@ -52,8 +53,8 @@ def head_norm(x, g, eps, inv_d, hf):
     """qk_norm_rope's per-head norm of a [T, H, D] tensor, as fp32: hf rounded to x's dtype as HF's RMSNorm
     returns it, fp32 left unrounded for the rotation."""
     if hf == 1:
-        return f32(norm(x, g, x.dtype, eps, inv_d, HF))
-    return norm(x, g, FP32, eps, inv_d, FP32_MODE)
+        return f32(norm(x, g, x.dtype, eps, inv_d, HF, x.dtype))
+    return norm(x, g, FP32, eps, inv_d, FP32_MODE, x.dtype)
 
 
 def merged_angles(planes, sec_t, sec_h, sec_w):

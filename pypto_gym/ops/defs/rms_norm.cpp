@@ -87,10 +87,11 @@ inline int64_t bf16_row_blocks(const uint16_t* x, const float* gq, uint16_t* y, 
 #endif
 
 // One row of output, and the sum of squares of `next` (the following row, or null) in the same pass.
-// hf:   y = O(g * T(x * r))        fp32: y = T((x * r) * g)        (O: output dtype, T: input dtype)
+// hf:   y = O(g * R(x * r))        fp32: y = R((x * r) * g)        (O: output dtype, R: the inputs' dtype,
+// X's own, or bf16/fp16 when x is the fp32 sum of two such rows: add_rms_norm's fp32_sum)
 // gq: gamma in the bf16 block order (bf16 in and out on AVX512-BF16), else null.
 // FINITE: the row and gamma are finite, so no NaN can appear and the roundings skip their NaN checks.
-template <class X, class O, bool FINITE>
+template <class X, class O, bool FINITE, class R = X>
 double norm_row(const typename X::T* x, const float* g, typename O::T* y, int64_t D, float r, bool hf,
                 const typename X::T* next, const float* gq) {
   double total = 0.0;
@@ -104,7 +105,7 @@ double norm_row(const typename X::T* x, const float* g, typename O::T* y, int64_
 #endif
   const V vr = vset(r);
   auto out = [&](int64_t j) {
-    return hf ? vmul(vgamma(g + j), vround_t<X, FINITE>(vmul(vload<X>(x + j), vr)))
+    return hf ? vmul(vgamma(g + j), vround_t<R, FINITE>(vmul(vload<X>(x + j), vr)))
               : vmul(vmul(vload<X>(x + j), vr), vgamma(g + j));
   };
   while (i + W <= D) {
@@ -130,7 +131,7 @@ double norm_row(const typename X::T* x, const float* g, typename O::T* y, int64_
   total = acc.sum();
 #endif
   for (; i < D; ++i) {
-    y[i] = hf ? O::store(g[i] * round_to<X>(X::load(x[i]) * r)) : O::store(X::load(x[i]) * r * g[i]);
+    y[i] = hf ? O::store(g[i] * round_to<R>(X::load(x[i]) * r)) : O::store(X::load(x[i]) * r * g[i]);
     if (next) {
       const double v = X::load(next[i]);
       total += v * v;
@@ -153,9 +154,38 @@ float no_cast_rsqrt(const typename X::T* x, int64_t D, float eps) {
   return round_to<X>(1.0f / std::sqrt(round_to<X>(var + eps)));
 }
 
+// add_rms_norm's fp32_sum: s = f32(a) + f32(b) kept in fp32 for the norm, its rounding written as the
+// residual; returns the sum of squares of s.
+template <class X>
+double add_row_f32(const typename X::T* a, const typename X::T* b, typename X::T* o, float* s, int64_t D) {
+  double total = 0.0;
+  int64_t i = 0;
+#ifdef PG_SIMD
+  DAcc acc;
+  while (i + W <= D) {
+    const int64_t end = std::min(D - D % W, i + BLOCK);
+    V a0 = vset(0.f);
+    for (; i + W <= end; i += W) {
+      const V v = vadd(vload<X>(a + i), vload<X>(b + i));
+      vstore<F32>(s + i, v);
+      vstore<X>(o + i, v);
+      a0 = vfma(v, v, a0);
+    }
+    acc.add(a0);
+  }
+  total = acc.sum();
+#endif
+  for (; i < D; ++i) {
+    s[i] = X::load(a[i]) + X::load(b[i]);
+    o[i] = X::store(s[i]);
+    total += (double)s[i] * s[i];
+  }
+  return total;
+}
+
 template <class X, class O>
 void norm_rows(const at::Tensor& x, const at::Tensor* x2, at::Tensor* xo, const float* g, at::Tensor& y, double eps,
-               int64_t mode) {
+               int64_t mode, bool fp32_sum) {
   using T = typename X::T;
   const int64_t D = x.size(-1), R = x.numel() / D;
   const float* gq = nullptr;  // gamma in bf16 block order, where that path applies (not worth it for one row)
@@ -176,6 +206,17 @@ void norm_rows(const at::Tensor& x, const at::Tensor* x2, at::Tensor* xo, const 
   const float feps = (float)eps;
   const bool hf = mode != FP32;  // "none" writes like hf, with r and gamma already in T
   const bool g_finite = std::all_of(g, g + D, [](float v) { return std::isfinite(v); });
+  if (fp32_sum && x2p && !std::is_same_v<X, F32>) {  // the norm reads the fp32 sum (one row of it per thread)
+    at::parallel_for(0, R, grain_for(D), [&](int64_t begin, int64_t end) {
+      std::vector<float> sum(D);
+      for (int64_t row = begin; row < end; ++row) {
+        const double squares = add_row_f32<X>(xp + row * D, x2p + row * D, xop + row * D, sum.data(), D);
+        const float r = 1.0f / std::sqrt((float)(squares / (double)D) + feps);
+        norm_row<F32, O, false, X>(sum.data(), g, yp + row * D, D, r, hf, nullptr, nullptr);
+      }
+    });
+    return;
+  }
   at::parallel_for(0, R, grain_for(D), [&](int64_t begin, int64_t end) {
     double squares = 0.0;  // of the current row, summed while the previous row was written
     for (int64_t row = begin; row < end; ++row) {
@@ -216,7 +257,8 @@ std::unique_ptr<float[]> gamma_f32(const c10::optional<at::Tensor>& gamma, int64
 
 // rms_norm (x2 undefined) and add_rms_norm (x2 given, returns x_out too)
 std::tuple<at::Tensor, at::Tensor> norm_entry(const at::Tensor& x_in, const c10::optional<at::Tensor>& x2_in,
-                                              const c10::optional<at::Tensor>& gamma, double eps, int64_t mode) {
+                                              const c10::optional<at::Tensor>& gamma, double eps, int64_t mode,
+                                              bool fp32_sum) {
   const int64_t D = x_in.size(-1);
   // cheap here, and they keep memory safe whatever the caller checked: gamma has D elements on x's device
   TORCH_CHECK(!gamma.has_value() || (gamma->numel() == D && gamma->device() == x_in.device()),
@@ -241,27 +283,27 @@ std::tuple<at::Tensor, at::Tensor> norm_entry(const at::Tensor& x_in, const c10:
       at::Tensor* x2p = x2.defined() ? &x2 : nullptr;
       at::Tensor* xop = xo.defined() ? &xo : nullptr;
       if (out_t == x.scalar_type())
-        norm_rows<X, X>(x, x2p, xop, g.get(), y, eps, mode);
+        norm_rows<X, X>(x, x2p, xop, g.get(), y, eps, mode, fp32_sum);
       else
-        norm_rows<X, F32>(x, x2p, xop, g.get(), y, eps, mode);
+        norm_rows<X, F32>(x, x2p, xop, g.get(), y, eps, mode, fp32_sum);
     });
   }
   return {y, xo};
 }
 
 at::Tensor rms_norm_entry(const at::Tensor& x, const c10::optional<at::Tensor>& gamma, double eps, int64_t mode) {
-  return std::get<0>(norm_entry(x, c10::nullopt, gamma, eps, mode));
+  return std::get<0>(norm_entry(x, c10::nullopt, gamma, eps, mode, false));
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_entry(const at::Tensor& x1, const at::Tensor& x2,
                                                       const c10::optional<at::Tensor>& gamma, double eps,
-                                                      int64_t mode) {
-  return norm_entry(x1, x2, gamma, eps, mode);
+                                                      int64_t mode, bool fp32_sum) {
+  return norm_entry(x1, x2, gamma, eps, mode, fp32_sum);
 }
 
 }  // namespace
 
 PG_KERNELS(rms_norm) {
   m.def("rms_norm", &rms_norm_entry, "rms_norm(x, gamma, eps, mode)");
-  m.def("add_rms_norm", &add_rms_norm_entry, "add_rms_norm(x1, x2, gamma, eps, mode) -> (y, x_out)");
+  m.def("add_rms_norm", &add_rms_norm_entry, "add_rms_norm(x1, x2, gamma, eps, mode, fp32_sum) -> (y, x_out)");
 }

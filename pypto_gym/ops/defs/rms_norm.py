@@ -10,7 +10,12 @@ Notation: x is [..., D]; rows are all leading dims; rms(v) = sqrt(mean(v^2 over 
 - `none` (the pypto.rms_norm guide's path for chips without the fp32 cast): every step in x's dtype.
 
 add_rms_norm: x_out = x1 + x2 in the input dtype (rounded exactly as torch's add), y = rms_norm(x_out);
-the norm consumes the rounded x_out, so a fused decoder layer is bit-identical to the unfused one.
+what the norm reads is `norm_input`:
+- `rounded` (SPEC 2.2, the default): the rounded x_out, so a fused decoder layer is bit-identical to HF's
+  unfused one (`residual + h`, then the norm module);
+- `fp32_sum`: the fp32 sum before it is rounded (vLLM's native `fused_add_rms_norm`: it adds in fp32, rounds
+  the residual once and normalises the unrounded sum; `hf` then rounds x * r to the input dtype before the
+  weight). The two agree wherever the sum is exact in the input dtype (always in fp32).
 """
 import torch
 
@@ -59,10 +64,28 @@ def _rms_norm_no_cast(x, g, eps):
     return h.to(T) if g is None else (rnd(g.to(f64)) * h).to(f32).to(T)
 
 
-def add_rms_norm(x1, x2, gamma, eps=1e-6, cast_mode="hf"):
-    """(rms_norm(x1 + x2), x1 + x2): the residual add fused into the norm; x_out is the next residual."""
+NORM_INPUTS = ("rounded", "fp32_sum")
+
+
+def add_rms_norm(x1, x2, gamma, eps=1e-6, cast_mode="hf", norm_input="rounded"):
+    """(rms_norm(x1 + x2), x1 + x2): the residual add fused into the norm; x_out is the next residual. The norm
+    reads the rounded x_out (`rounded`, HF's layer) or the fp32 sum before its rounding (`fp32_sum`, vLLM's)."""
     x_out = x1 + x2
-    return rms_norm(x_out, gamma, eps, cast_mode), x_out
+    if norm_input == "rounded" or x1.dtype == torch.float32:
+        return rms_norm(x_out, gamma, eps, cast_mode), x_out
+    s = x1.to(torch.float32) + x2.to(torch.float32)  # torch's 16-bit add rounds this same sum: x_out
+    h = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    g = None if gamma is None else gamma.reshape(x1.shape[-1])
+    if cast_mode == "hf":
+        h = h.to(x1.dtype)
+        return (h if g is None else g * h), x_out
+    return (h if g is None else h * g.to(torch.float32)).to(x1.dtype), x_out
+
+
+def _check_add_rms_norm(ctx, x1, x2, gamma, eps, cast_mode, norm_input):
+    if norm_input == "fp32_sum" and cast_mode == "none":
+        raise ArgValueError("norm_input", "'fp32_sum' with cast_mode 'none'; expected 'rounded' (the no-cast path "
+                                          "computes in the input dtype, there is no fp32 sum)", "value")
 
 
 def norm_backward(gy, x, gamma, eps, cast_mode):
@@ -95,6 +118,7 @@ def _rms_norm_grads(saved, grads):
 
 
 def _add_rms_norm_grads(saved, grads):
+    """The norm's gradient at x_out (for `fp32_sum`, at the sum's rounding: within its ulp)."""
     gy, gx_out = grads
     gx, gg = norm_backward(gy, saved["x_out"], saved["gamma"], saved["eps"], saved["cast_mode"])
     total = gx if gx_out is None else gx + gx_out
@@ -115,7 +139,7 @@ def _norm_shapes(quick, dtype, two=False):
     for phase, shape in shapes:
         xs = [torch.randn(shape, generator=gen).to(dtype) for _ in range(2 if two else 1)]
         gamma = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype)
-        out.append((phase, xs[0].numel() // shape[-1], (*xs, gamma, 1e-6, "hf")))
+        out.append((phase, xs[0].numel() // shape[-1], (*xs, gamma, 1e-6, "hf", *(["rounded"] if two else []))))
     return out
 
 
@@ -145,7 +169,7 @@ def _hf_add_rms_norm(args):
 
 def _unfused_add_rms_norm(args, backend):
     """The add in torch, then the norm's own kernel: what the fused op saves."""
-    x1, x2, gamma, eps, cast_mode = args
+    x1, x2, gamma, eps, cast_mode = args[:5]
     return lambda: RMS_NORM.call((x1 + x2, gamma, eps, cast_mode), backend, None)
 
 
@@ -188,30 +212,40 @@ ADD_RMS_NORM = Op(add_rms_norm, [
     Tensor("gamma", "D", **GAMMA),
     Float("eps", default=1e-6, low=0.0),
     Choice("cast_mode", CAST_MODES, default="hf", kw_only=True),
-], [Output("y"), Output("x_out")], min_dims={"D": 1},
-    backward=Backward(("x_out", "gamma", "eps", "cast_mode"), _add_rms_norm_grads), examples=EXAMPLES,
+    Choice("norm_input", NORM_INPUTS, default="rounded", kw_only=True),
+], [Output("y"), Output("x_out")], min_dims={"D": 1}, check=_check_add_rms_norm,
+    backward=Backward(("x_out", "gamma", "eps", "cast_mode"), _add_rms_norm_grads),
+    examples=(*EXAMPLES, {"R": (3, 4), "D": 2050, "norm_input": "fp32_sum"},
+              {"R": (5,), "D": 96, "dtype": torch.float16, "cast_mode": "fp32", "norm_input": "fp32_sum"}),
     bench=BenchSpec(lambda quick, dtype: _norm_shapes(quick, dtype, two=True), _hf_add_rms_norm,
                     lambda a: (lambda: (a[0].clone(), a[1].clone())), "clone() of x1 and x2", NORM_GOALS,
                     unfused=_unfused_add_rms_norm, hf_kernels=_hf_add_norm_kernels))
 
 
-def _gamma_float(backend, *args):
+def _gamma_float(gamma):
     """The kernels read gamma as fp16, bf16 or fp32 (HF accepts any float weight: fp64 runs on torch)."""
-    gamma = args[-3]
     if gamma is not None and gamma.dtype not in FLOAT_DTYPES:
         return f"gamma dtype {dtype_name(gamma.dtype)} not supported"
     return None
 
 
+def _norm_gamma(backend, x, gamma, *rest):
+    return _gamma_float(gamma)
+
+
+def _add_norm_gamma(backend, x1, x2, gamma, *rest):
+    return _gamma_float(gamma)
+
+
 # ---- cpu: fused C++ (rms_norm.cpp) ----------------------------------------------------------------
-@RMS_NORM.impl("cpu", supports=_gamma_float)
+@RMS_NORM.impl("cpu", supports=_norm_gamma)
 def _(backend, x, gamma, eps, cast_mode):
     return backend.ext.rms_norm(x, gamma, eps, MODES[cast_mode])
 
 
-@ADD_RMS_NORM.impl("cpu", supports=_gamma_float)
-def _(backend, x1, x2, gamma, eps, cast_mode):
-    return backend.ext.add_rms_norm(x1, x2, gamma, eps, MODES[cast_mode])
+@ADD_RMS_NORM.impl("cpu", supports=_add_norm_gamma)
+def _(backend, x1, x2, gamma, eps, cast_mode, norm_input):
+    return backend.ext.add_rms_norm(x1, x2, gamma, eps, MODES[cast_mode], norm_input == "fp32_sum")
 
 
 # ---- npu: torch_npu.npu_rms_norm / npu_add_rms_norm ----------------------------------------------
@@ -246,7 +280,7 @@ def _npu_rms_norm_supports(backend, x, gamma, eps, cast_mode):
     return None
 
 
-def _npu_add_rms_norm_supports(backend, x1, x2, gamma, eps, cast_mode):
+def _npu_add_rms_norm_supports(backend, x1, x2, gamma, eps, cast_mode, norm_input):
     reason = _npu_common(x1, cast_mode)
     if reason:
         return reason
@@ -277,9 +311,18 @@ def _(backend, x, gamma, eps, cast_mode):
 
 
 @ADD_RMS_NORM.impl("npu", supports=_npu_add_rms_norm_supports)
-def _(backend, x1, x2, gamma, eps, cast_mode):
+def _(backend, x1, x2, gamma, eps, cast_mode, norm_input):
+    tnpu = backend.torch_npu()
+    if norm_input == "fp32_sum" and x1.dtype != torch.float32:
+        # npu_add_rms_norm's documentation does not say whether it normalises the sum before or after rounding
+        # it: the fp32 sum goes through npu_rms_norm (fp32 in, fp32 out: a documented pair) instead
+        s = x1.float() + x2.float()
+        g, post = _npu_gamma(gamma, s, cast_mode)
+        y, _ = tnpu.npu_rms_norm(as_rows(s), g.float(), epsilon=eps)
+        y = y.reshape(x1.shape).to(x1.dtype)
+        return (y if post is None else post * y), s.to(x1.dtype)
     g, post = _npu_gamma(gamma, x1, cast_mode)
-    y, _, x_out = backend.torch_npu().npu_add_rms_norm(as_rows(x1), as_rows(x2), g, epsilon=eps)
+    y, _, x_out = tnpu.npu_add_rms_norm(as_rows(x1), as_rows(x2), g, epsilon=eps)
     y, x_out = y.reshape(x1.shape), x_out.reshape(x1.shape)
     return (y if post is None else post * y), x_out
 
@@ -290,7 +333,7 @@ def rms_norm_kernel(pypto):
 
     def rms_norm(x: pypto.Tensor(), g: pypto.Tensor(), out: pypto.Tensor(), eps, inv_d, mode, rows, cols):
         pypto.set_vec_tile_shapes(rows, cols)
-        out[:] = pl.norm(x, g, out.dtype, eps, inv_d, mode)
+        out[:] = pl.norm(x, g, out.dtype, eps, inv_d, mode, x.dtype)
     return rms_norm
 
 
@@ -298,12 +341,18 @@ def add_rms_norm_kernel(pypto):
     from ..backends import pypto_lib as pl
 
     def add_rms_norm(x1: pypto.Tensor(), x2: pypto.Tensor(), g: pypto.Tensor(), out: pypto.Tensor(),
-                     x_out: pypto.Tensor(), eps, inv_d, mode, rows, cols):
+                     x_out: pypto.Tensor(), eps, inv_d, mode, fp32_sum, rows, cols):
         pypto.set_vec_tile_shapes(rows, cols)
-        s = pypto.add(x1, x2)
-        y = pl.norm(s, g, out.dtype, eps, inv_d, mode)
-        out[:] = y
-        x_out[:] = s
+        if fp32_sum == 1:  # the norm reads the fp32 sum, the residual is its rounding (vLLM's)
+            s = pypto.add(pl.f32(x1), pl.f32(x2))
+            y = pl.norm(s, g, out.dtype, eps, inv_d, mode, x1.dtype)
+            out[:] = y
+            x_out[:] = pl.to(s, x1.dtype)
+        else:
+            s = pypto.add(x1, x2)
+            y = pl.norm(s, g, out.dtype, eps, inv_d, mode, x1.dtype)
+            out[:] = y
+            x_out[:] = s
     return add_rms_norm
 
 
@@ -312,11 +361,7 @@ def _pypto_gamma(gamma, x, cast_mode):
     return g.to(x.dtype) if cast_mode == "none" else g  # no-cast: everything in x's dtype
 
 
-def _pypto_supports(backend, x, *rest):
-    return backend.runs_on(x) or _gamma_float(backend, x, *rest)
-
-
-@RMS_NORM.impl("pypto", supports=_pypto_supports)
+@RMS_NORM.impl("pypto", supports=lambda backend, x, gamma, *rest: backend.runs_on(x) or _gamma_float(gamma))
 def _(backend, x, gamma, eps, cast_mode):
     y = RMS_NORM.empty_outputs(x, gamma, eps, cast_mode)
     if x.numel():
@@ -326,12 +371,12 @@ def _(backend, x, gamma, eps, cast_mode):
     return y
 
 
-@ADD_RMS_NORM.impl("pypto", supports=_pypto_supports)
-def _(backend, x1, x2, gamma, eps, cast_mode):
-    y, x_out = ADD_RMS_NORM.empty_outputs(x1, x2, gamma, eps, cast_mode)
+@ADD_RMS_NORM.impl("pypto", supports=lambda backend, x1, x2, gamma, *rest: backend.runs_on(x1) or _gamma_float(gamma))
+def _(backend, x1, x2, gamma, eps, cast_mode, norm_input):
+    y, x_out = ADD_RMS_NORM.empty_outputs(x1, x2, gamma, eps, cast_mode, norm_input)
     if x1.numel():
         D = x1.shape[-1]
         backend.launch("add_rms_norm", add_rms_norm_kernel, x1,
                        [rows(x1), rows(x2), _pypto_gamma(gamma, x1, cast_mode)], [y.view(-1, D), x_out.view(-1, D)],
-                       [float(eps), 1.0 / D, MODES[cast_mode]])
+                       [float(eps), 1.0 / D, MODES[cast_mode], int(norm_input == "fp32_sum")])
     return y, x_out

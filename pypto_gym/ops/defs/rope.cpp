@@ -170,6 +170,87 @@ std::tuple<at::Tensor, at::Tensor> rope_entry(const at::Tensor& q, const at::Ten
   return {oq, ok};
 }
 
+// rotary_embedding (vLLM's form): each token's cos and sin read from the [M, E] cache (cos half | sin half) at its
+// position (MRoPE: column chunk c of the half from positions' row c), rounded to the query dtype in hf mode (vLLM's
+// cos.to(x.dtype)), widened to the full rotary width rotate_head reads; then every head of q and k rotated. q, k
+// and the outputs are [T, H * D] or [T, H, D] with any token (and head) stride, D contiguous (vLLM's views of its
+// qkv projection); an output may be its input itself: rotate_head reads both halves of a block before writing
+// them (in place, as vLLM's kernel).
+struct TokenHeads {  // one [T, H, D] or [T, H * D] tensor: where head h of token t starts
+  char* base;
+  int64_t H, st, sh, itemsize;
+  TokenHeads(const at::Tensor& t, int64_t D) : base((char*)t.data_ptr()), itemsize(t.element_size()) {
+    TORCH_CHECK((t.dim() == 2 || t.dim() == 3) && t.stride(-1) == 1 && (t.dim() == 3 ? t.size(2) == D
+                                                                                     : t.size(1) % D == 0),
+                "rotary_embedding: q, k and the outputs as [T, H * D] or [T, H, D] with a contiguous last dim");
+    H = t.dim() == 3 ? t.size(1) : t.size(1) / D;
+    st = t.stride(0);
+    sh = t.dim() == 3 ? t.stride(1) : D;
+  }
+  template <class T>
+  T* at(int64_t t, int64_t h) const { return reinterpret_cast<T*>(base + (t * st + h * sh) * itemsize); }
+};
+
+void rotary_embedding_entry(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& cache, int64_t D, const std::vector<int64_t>& sections, int64_t mode,
+                            const at::Tensor& oq, const at::Tensor& ok) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && (positions.dim() == 1 || positions.dim() == 2) &&
+                  positions.is_contiguous(), "rotary_embedding: positions as contiguous int64 [T] or [planes, T]");
+  TORCH_CHECK(cache.dim() == 2 && cache.is_contiguous(), "rotary_embedding: cos_sin_cache as contiguous [M, E]");
+  const int64_t T = positions.size(-1), M = cache.size(0), E = cache.size(1), half = E / 2;
+  TORCH_CHECK(q.size(0) == T && k.size(0) == T && E <= D && E % 2 == 0 && oq.sizes() == q.sizes() &&
+                  ok.sizes() == k.sizes() && oq.scalar_type() == q.scalar_type() &&
+                  ok.scalar_type() == q.scalar_type() && k.scalar_type() == q.scalar_type(),
+              "rotary_embedding: q, k and the outputs of one dtype and T tokens, E even and <= D");
+  const TokenHeads hq(q, D), hk(k, D), hoq(oq, D), hok(ok, D);
+  std::vector<int64_t> plane(half, 0);  // the positions row each column of the half reads
+  if (!sections.empty()) {
+    TORCH_CHECK(positions.dim() == 2 && (int64_t)sections.size() == positions.size(0),
+                "rotary_embedding: one positions row per section");
+    int64_t j = 0;
+    for (size_t c = 0; c < sections.size(); ++c)
+      for (int64_t n = 0; n < sections[c] && j < half; ++n) plane[j++] = (int64_t)c;
+    TORCH_CHECK(j == half, "rotary_embedding: sections must cover E / 2 columns");
+  }
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < positions.numel(); ++i)  // before anything is written: the outputs may be the inputs
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < M, "positions: value ", pos[i], " outside the cache's ", M, " rows");
+  if (T == 0) return;
+  dispatch_dtype(q.scalar_type(), [&](auto xt) {
+    using X = decltype(xt);
+    using T_ = typename X::T;
+    dispatch_dtype(cache.scalar_type(), [&](auto ct) {
+      using C = decltype(ct);
+      const auto* cp = reinterpret_cast<const typename C::T*>(cache.data_ptr());
+      auto run = [&](auto hf) {
+        constexpr bool HF = decltype(hf)::value;
+        at::parallel_for(0, T, std::max<int64_t>(1, 32768 / std::max<int64_t>((hq.H + hk.H) * D, 1)),
+                         [&](int64_t b, int64_t e) {
+          std::vector<float> buf(2 * E);
+          float *c = buf.data(), *s = c + E;
+          for (int64_t t = b; t < e; ++t) {
+            for (int64_t j = 0; j < half; ++j) {
+              const typename C::T* row = cp + pos[plane[j] * T + t] * E;
+              float cj = C::load(row[j]), sj = C::load(row[half + j]);
+              if (HF) cj = round_to<X>(cj), sj = round_to<X>(sj);
+              c[j] = c[half + j] = cj;
+              s[j] = s[half + j] = sj;
+            }
+            for (int64_t h = 0; h < hq.H; ++h)
+              rotate_head<X, X, HF>(hq.at<const T_>(t, h), c, s, hoq.at<T_>(t, h), E, D);
+            for (int64_t h = 0; h < hk.H; ++h)
+              rotate_head<X, X, HF>(hk.at<const T_>(t, h), c, s, hok.at<T_>(t, h), E, D);
+          }
+        });
+      };
+      if (mode == HF)
+        run(std::true_type{});
+      else
+        run(std::false_type{});
+    });
+  });
+}
+
 // One head vector normalised into fp32 n: hf rounds x*r and then the weight's product to x's dtype (HF's
 // RMSNorm), fp32 keeps x*r*g unrounded. The sum of squares is common.h's (fp32 lanes folded into fp64).
 template <class X>
@@ -238,4 +319,7 @@ PG_KERNELS(rope) {
   m.def("qk_norm_rope", &qk_norm_rope_entry,
         "qk_norm_rope(q, k, cos, sin, geometry, sections, mode, dtype_q, dtype_k, q_weight, k_weight, q_eps, k_eps, "
         "out_q, out_k) -> (q_embed, k_embed)");
+  m.def("rotary_embedding", &rotary_embedding_entry,
+        "rotary_embedding(positions, q, k, cos_sin_cache, head_size, sections, mode, out_q, out_k): writes out_q/out_k "
+        "(which may be q and k)");
 }

@@ -16,6 +16,14 @@ rope(q, k, cos, sin) = (q*cos + rotate_half(q)*sin, k*cos + rotate_half(k)*sin),
   `apply_rotary_pos_emb_vision`, torch_npu's kernels). The torch backend is
   bit-identical to the HF function of each form.
 
+rotary_embedding(positions, query, key, cos_sin_cache, head_size, ...): the same rotation in vLLM's (and
+torch_npu's `npu_mrope`) form: cos and sin read at each token's position from a [max_position, rot] cache
+whose halves are cos and sin (MRoPE: section i of the half from the i-th row of [3, T] positions), query
+and key as [T, heads * head_size]; `hf` rounds cos/sin to the query's dtype and every product there (vLLM's
+`forward_native`), `fp32` computes in fp32 and rounds once. It is what vLLM's RotaryEmbedding and
+MRotaryEmbedding run (vllm/providers.py), in place: its cpu kernel writes the rotated heads over the inputs
+(`Op.call(..., into=)`), as vLLM's own CPU kernel does, without a gathered cos/sin table or new tensors.
+
 qk_norm_rope(q, k, q_weight, k_weight, cos, sin, ...) = rope(rms_norm(q), rms_norm(k), cos, sin): the
 norm over each head's D values with each its own gamma and eps, as Qwen3's q_norm/k_norm run before
 the rotation; q and k are the un-normalised projections (any layout: the norm is per head vector, so
@@ -322,6 +330,84 @@ QK_NORM_ROPE = Op(qk_norm_rope, [
                     "clone() of q and k", {"decode_vs_hf": 3.0, "vs_hf": 2.0}, unfused=_unfused_qk_norm_rope,
                     hf_kernels=_hf_qk_kernels))
 OPS_BY_GRAD = {ROPE_NAMES: ROPE, QK_NAMES: QK_NORM_ROPE}
+
+
+# ---- rotary_embedding: vLLM's form, cos/sin read from a position-indexed cache -----------------------------
+def rotary_embedding(positions, query, key, cos_sin_cache, head_size, mrope_section=(), cast_mode="hf"):
+    """vLLM's neox rotary embedding: cos, sin = cos_sin_cache[positions].chunk(2) (MRoPE: section i of them from
+    positions[i]); each head's first rot = cos_sin_cache.shape[-1] dims rotated, (x1*cos - x2*sin, x2*cos +
+    x1*sin), the rest passed through; `hf` in the query's dtype (cos and sin rounded to it first), `fp32` in fp32
+    with one rounding. Outputs shaped like query and key."""
+    T = positions.shape[-1]
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    if mrope_section:
+        cos, sin = (torch.cat([m[i] for i, m in enumerate(t.split(list(mrope_section), dim=-1))], dim=-1)
+                    for t in (cos, sin))
+    rot = 2 * cos.shape[-1]
+
+    def one(x):
+        x3 = x.reshape(T, -1, head_size)
+        compute = torch.float32 if cast_mode == "fp32" else x.dtype
+        c, s = cos.unsqueeze(-2).to(compute), sin.unsqueeze(-2).to(compute)
+        x1, x2 = x3[..., :rot].to(compute).chunk(2, dim=-1)
+        y = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+        return torch.cat((y, x3[..., rot:]), dim=-1).reshape(x.shape)
+    return one(query), one(key)
+
+
+def _check_rotary_embedding(ctx, positions, query, key, cache, head_size, mrope_section, cast_mode):
+    E = cache.shape[-1]
+    if E % 2 or E > head_size:
+        raise ArgValueError("cos_sin_cache", f"rotary dim {E} (shape {tuple(cache.shape)}); expected an even dim "
+                                             f"<= head_size {head_size}")
+    for name, x in (("query", query), ("key", key)):
+        per_token = math.prod(x.shape[1:])
+        if per_token % head_size:
+            raise ArgValueError(name, f"shape {tuple(x.shape)}: {per_token} values per token are not whole heads "
+                                      f"of head_size {head_size}")
+    if positions.dim() == 2:
+        if positions.shape[0] != 3 or not mrope_section:
+            raise ArgValueError("positions", f"shape {tuple(positions.shape)}; expected (T,), or (3, T) with "
+                                             f"mrope_section")
+        if 2 * sum(mrope_section) != E or len(mrope_section) != 3:
+            raise ArgValueError("mrope_section", f"{list(mrope_section)}; expected 3 sections summing to rot/2 = "
+                                                 f"{E // 2}", "value")
+    elif mrope_section:
+        raise ArgValueError("mrope_section", f"{list(mrope_section)} with 1-d positions; expected () (sections "
+                                             f"need (3, T) positions)", "value")
+    if positions.device.type == "cpu" and positions.numel():
+        low, high = int(positions.min()), int(positions.max())
+        if low < 0 or high >= cache.shape[0]:
+            raise ArgValueError("positions", f"values {low}..{high}; expected rows of cos_sin_cache, 0.."
+                                             f"{cache.shape[0] - 1}", "value")
+
+
+def _positions(shape, gen):
+    """Token positions of a case: below 16, which every cache the examples and vLLM use has rows for."""
+    return torch.randint(0, 16, tuple(shape), generator=gen).float()
+
+
+ROTARY_EXAMPLES = ({"P": (), "T": 5, "Q": (4 * 64,), "K": (2 * 64,), "M": 32, "E": 64, "head_size": 64},
+                   {"P": (), "T": 3, "Q": (2 * 64,), "K": (64,), "M": 16, "E": 32, "head_size": 64,
+                    "dtype": torch.float16},
+                   {"P": (3,), "T": 6, "Q": (4 * 32,), "K": (2 * 32,), "M": 24, "E": 32, "head_size": 32,
+                    "mrope_section": [4, 6, 6]},
+                   {"P": (), "T": 4, "Q": (2 * 80,), "K": (2 * 80,), "M": 16, "E": 80, "head_size": 80,
+                    "cast_mode": "fp32"},
+                   {"P": (), "T": 2, "Q": (3, 16), "K": (1, 16), "M": 16, "E": 16, "head_size": 16,
+                    "dtype": torch.float32, "cos_sin_cache_dtype": torch.float32})
+
+
+ROTARY_EMBEDDING = Op(rotary_embedding, [
+    Tensor("positions", "*P T", (torch.int64, torch.int32), gen=_positions),
+    Tensor("query", "T *Q", FLOAT_DTYPES),
+    Tensor("key", "T *K", None, like="query"),
+    Tensor("cos_sin_cache", "M E", floats=True, gen=ANGLE),
+    Int("head_size", low=2, high=1 << 16),
+    Ints("mrope_section", default=()),
+    Choice("cast_mode", CAST_MODES, default="hf", kw_only=True),
+], [Output("query_out", "rotation"), Output("key_out", "rotation")], check=_check_rotary_embedding,
+    examples=ROTARY_EXAMPLES)
 
 
 # ---- the canonical layout every kernel sees --------------------------------------------------------------
@@ -712,3 +798,76 @@ def _(backend, q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps, 
         lay.finish()
         return oq, ok
     return pairwise(q, k, cos, cast_mode, run)
+
+
+# ---- rotary_embedding's backends: cpu in place from the cache, npu_mrope, the rope kernel on pypto ---------------
+def _token_heads(x, T, head_size):
+    """x as the kernel reads it: [T, heads * head_size] or [T, heads, head_size] with a contiguous last dim as it is
+    (vLLM's q and k are row views of its qkv projection), anything else as a contiguous [T, heads, head_size]."""
+    if x.dim() in (2, 3) and x.stride(-1) == 1 and (x.dim() == 2 or x.shape[2] == head_size):
+        return x
+    return x.reshape(T, -1, head_size).contiguous()
+
+
+def _cache_supported(backend, positions, query, key, cache, *rest):
+    return _angles_supported(cache)
+
+
+@ROTARY_EMBEDDING.impl("cpu", supports=_cache_supported, into=True)
+def _(backend, positions, query, key, cos_sin_cache, head_size, mrope_section, cast_mode, out=None):
+    """rope.cpp's rotary_embedding: each token's cos/sin row read from the cache at its position(s), every head of
+    q and k rotated with it; written over `out` (the inputs themselves for vLLM: in place) or new tensors."""
+    T = positions.shape[-1]
+    oq, ok = out if out is not None else (torch.empty(query.shape, dtype=query.dtype),
+                                          torch.empty(key.shape, dtype=key.dtype))
+    writes = [_token_heads(o, T, head_size) for o in (oq, ok)]  # a stand-in where the kernel cannot write o itself
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
+    backend.ext.rotary_embedding(positions, _token_heads(query, T, head_size), _token_heads(key, T, head_size),
+                                 cos_sin_cache.contiguous(), head_size, list(mrope_section), MODES[cast_mode], *writes)
+    for o, w in zip((oq, ok), writes):
+        if w is not o:
+            o.copy_(w.reshape(o.shape))
+    return oq, ok
+
+
+# npu: torch_npu.npu_mrope(positions, query, key, cos_sin_cache, head_size, mrope_section=, rotary_mode="half")
+# (aclnnRopeWithSinCosCache) is this op: positions (T,) or (3, T), query [T, Hq * head_size]; Atlas A2/A3 only.
+# Its rounding is not documented as the query dtype's per product: 16-bit hf calls are declined as for rope.
+def _npu_rotary_supports(backend, positions, query, key, cache, head_size, mrope_section, cast_mode):
+    reason = _angles_supported(cache)
+    if reason:
+        return reason
+    if backend.series_of(query) != "a2_a3":
+        return "npu_mrope: Atlas A2/A3 only"
+    if cast_mode == "hf" and query.dtype != torch.float32:
+        return (f"hf mode on {dtype_name(query.dtype)}: npu_mrope's rounding is not vLLM's per-product rounding "
+                f"(cast_mode='fp32' maps onto it)")
+    return None
+
+
+@ROTARY_EMBEDDING.impl("npu", supports=_npu_rotary_supports)
+def _(backend, positions, query, key, cos_sin_cache, head_size, mrope_section, cast_mode):
+    T = positions.shape[-1]
+    q2, k2 = (x.reshape(T, -1).float() for x in (query, key))
+    yq, yk = backend.torch_npu().npu_mrope(positions.to(torch.int64), q2, k2, cos_sin_cache.float(), head_size,
+                                           mrope_section=list(mrope_section) or None, rotary_mode="half")
+    return yq.to(query.dtype).reshape(query.shape), yk.to(key.dtype).reshape(key.shape)
+
+
+@ROTARY_EMBEDDING.impl("pypto", supports=lambda backend, positions, query, key, cache, *rest:
+                       backend.runs_on(query) or _angles_supported(cache))
+def _(backend, positions, query, key, cos_sin_cache, head_size, mrope_section, cast_mode):
+    """The rope kernel on [T, H, D] views, cos and sin gathered at full rotary width on the host (the section
+    merge too): the rotation the device runs is rope's, verified at the compiled level."""
+    T = positions.shape[-1]
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    if mrope_section:
+        cos, sin = (torch.cat([m[i] for i, m in enumerate(t.split(list(mrope_section), dim=-1))], dim=-1)
+                    for t in (cos, sin))
+    if cast_mode == "hf":
+        cos, sin = cos.to(query.dtype), sin.to(query.dtype)
+    cos, sin = torch.cat((cos, cos), dim=-1).contiguous(), torch.cat((sin, sin), dim=-1).contiguous()
+    q3, k3 = (x.reshape(T, -1, head_size) for x in (query, key))
+    yq, yk = ROPE.impls["pypto"].fn(backend, q3, k3, cos, sin, [], -2, cast_mode)
+    return yq.to(query.dtype).reshape(query.shape), yk.to(key.dtype).reshape(key.shape)
