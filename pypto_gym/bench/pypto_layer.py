@@ -68,7 +68,7 @@ def _layer_calls(phase: str, S: int, dtype):
     g = torch.randn(*x.shape[:-1], I, generator=gen).to(dtype)
     # a layer: norm -> attention (its rotary call) -> add + norm -> MLP (swiglu) -> residual add
     return [("input norm", "rms_norm", (x, gamma, 1e-6, "hf")), ("rotary", *rope),
-            ("add + post-attention norm", "add_rms_norm", (x, x, gamma, 1e-6, "hf")),
+            ("add + post-attention norm", "add_rms_norm", (x, x, gamma, 1e-6, "hf", "rounded")),
             ("MLP activation", "swiglu", (g, g, "hf")), ("residual add (MLP)", "add", (x, x))]
 
 

@@ -33,7 +33,7 @@ pypto_backend._load_cached = lambda *a: False
 from pypto_gym.ops import OPS
 b = pypto_backend.PyptoBackend()
 x1, x2, g = torch.randn(R, D).bfloat16(), torch.randn(R, D).bfloat16(), torch.randn(D).bfloat16()
-args = (x1, g, 1e-6, "hf") if op == "rms_norm" else (x1, x2, g, 1e-6, "hf")
+args = (x1, g, 1e-6, "hf") if op == "rms_norm" else (x1, x2, g, 1e-6, "hf", "rounded")
 OPS[op].impls["pypto"].fn(b, *args)
 print(json.dumps({"us": b.last_run.estimated_us, "level": b.last_run.level}))
 """
