@@ -230,16 +230,18 @@ def test_int8_gemm_is_the_exact_integer_product(kernel, M, K, N):
     assert torch.equal(ext.int8_gemm(x[:, 1:], w[:, 1:]).long(), x[:, 1:].long() @ w[:, 1:].long().T)  # strided
 
 
-@pytest.mark.parametrize("op_name", ["swiglu", "rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("op_name", ["swiglu", "rms_norm", "add_rms_norm", "add_rms_norm fp32_sum"])
 def test_bf16_subnormals_survive_as_in_torch(op_name):
     """vcvtneps2bf16 (the AVX-512 BF16 level's rounding) flushes subnormal inputs to zero whatever MXCSR says;
     torch keeps them: silu(1e-39) * 3 was 0 on the cpu swiglu and 1.65e-39 on torch."""
     tiny = torch.finfo(torch.bfloat16).tiny
     x = (torch.linspace(-4, 4, 96).reshape(3, 32) * tiny).to(torch.bfloat16)  # subnormal and a few normal values
     y = torch.full_like(x, 3.0)
-    op = OPS[op_name]
+    op = OPS[op_name.split()[0]]
+    ones = torch.ones(32, dtype=torch.bfloat16)
     args = {"swiglu": (x, y, "hf"), "rms_norm": (x, None, 1e-6, "hf"),
-            "add_rms_norm": (x, x, torch.ones(32, dtype=torch.bfloat16), 1e-6, "hf")}[op_name]
+            "add_rms_norm": (x, x, ones, 1e-6, "hf", "rounded"),
+            "add_rms_norm fp32_sum": (x, x, ones, 1e-6, "hf", "fp32_sum")}[op_name]
     got, want = run_on("cpu", op, args), op.golden(*args)
     for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
         assert torch.equal(g, w)
