@@ -151,7 +151,7 @@ def call(op, requested: str, stats: Stats, args: tuple, into: tuple | None = Non
     into (the op's in-place form, vLLM's rotary embedding for one): an implementation registered with `into=True`
     writes them itself, any other's results (the golden's too) are copied in; `into` is returned."""
     if _REFERENCE:
-        return _written(op.golden(*args), into)
+        return written(op.golden(*args), into)
     if RECORDERS and stats.site is not None:
         for recorder in RECORDERS:
             recorder.record(op, stats, args)
@@ -173,10 +173,10 @@ def call(op, requested: str, stats: Stats, args: tuple, into: tuple | None = Non
             backend = TORCH
     ran = stats.ran
     ran[backend.name] = ran.get(backend.name, 0) + 1
-    return out if into is None or writes else _written(out, into)
+    return out if into is None or writes else written(out, into)
 
 
-def _written(out, into):
+def written(out, into):
     """`out` copied into the tensors `into` (returned in the outputs' structure); `out` itself without `into`."""
     if into is None:
         return out

@@ -166,7 +166,7 @@ class Op:
         stats = dispatch.GLOBAL if stats is None else stats
         if eager:
             return dispatch.call(self, backend, stats, args, into)
-        return dispatch._written(self.from_custom(self.custom_op(*args, backend, stats.id), args), into)
+        return dispatch.written(self.from_custom(self.custom_op(*args, backend, stats.id), args), into)
 
     def eager(self, args) -> bool:
         """True when dispatch may run without the dispatcher: not traced, no autograd graph to record,
@@ -372,7 +372,7 @@ class BoundCall:
         no attribute that changes between calls (`_key`, the op's last validated call): dynamo guards on what a
         traced function reads, so a per-call cache read here would recompile the graph for every new prompt."""
         op = self.op
-        return dispatch._written(op.from_custom(op.custom_op(*args, self.backend, self.stats.id), args), into)
+        return dispatch.written(op.from_custom(op.custom_op(*args, self.backend, self.stats.id), args), into)
 
     def slow(self, key, args, into=None):
         """A call of another kind than the last: the entry path (validation), remembered if it may go eager."""

@@ -34,15 +34,20 @@ def rms_norm(x, gamma=None, eps=1e-6, cast_mode="hf"):
     g = None if gamma is None else gamma.reshape(x.shape[-1])
     if cast_mode == "none":
         return _rms_norm_no_cast(x, g, eps)
-    h = x.to(torch.float32)
+    return _norm_fp32(x.to(torch.float32), x.dtype, g, eps, cast_mode)
+
+
+def _norm_fp32(h, dtype, g, eps, cast_mode):
+    """The `hf` / `fp32` norm of h (fp32), rounding to `dtype`: x's own, or the inputs' when h is add_rms_norm's
+    fp32 sum. `hf` is the exact op sequence of transformers' Qwen2_5_VLRMSNorm.forward."""
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
-    if cast_mode == "hf":  # the exact op sequence of transformers' Qwen2_5_VLRMSNorm.forward
-        h = h.to(x.dtype)
+    if cast_mode == "hf":
+        h = h.to(dtype)
         return h if g is None else g * h
     if g is not None:
         h = h * g.to(torch.float32)
-    return h.to(x.dtype)
+    return h.to(dtype)
 
 
 def _rms_norm_no_cast(x, g, eps):
@@ -74,12 +79,8 @@ def add_rms_norm(x1, x2, gamma, eps=1e-6, cast_mode="hf", norm_input="rounded"):
     if norm_input == "rounded" or x1.dtype == torch.float32:
         return rms_norm(x_out, gamma, eps, cast_mode), x_out
     s = x1.to(torch.float32) + x2.to(torch.float32)  # torch's 16-bit add rounds this same sum: x_out
-    h = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
     g = None if gamma is None else gamma.reshape(x1.shape[-1])
-    if cast_mode == "hf":
-        h = h.to(x1.dtype)
-        return (h if g is None else g * h), x_out
-    return (h if g is None else h * g.to(torch.float32)).to(x1.dtype), x_out
+    return _norm_fp32(s, x1.dtype, g, eps, cast_mode), x_out
 
 
 def _check_add_rms_norm(ctx, x1, x2, gamma, eps, cast_mode, norm_input):

@@ -339,10 +339,7 @@ def rotary_embedding(positions, query, key, cos_sin_cache, head_size, mrope_sect
     x1*sin), the rest passed through; `hf` in the query's dtype (cos and sin rounded to it first), `fp32` in fp32
     with one rounding. Outputs shaped like query and key."""
     T = positions.shape[-1]
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    if mrope_section:
-        cos, sin = (torch.cat([m[i] for i, m in enumerate(t.split(list(mrope_section), dim=-1))], dim=-1)
-                    for t in (cos, sin))
+    cos, sin = cached_angles(positions, cos_sin_cache, mrope_section)
     rot = 2 * cos.shape[-1]
 
     def one(x):
@@ -353,6 +350,16 @@ def rotary_embedding(positions, query, key, cos_sin_cache, head_size, mrope_sect
         y = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
         return torch.cat((y, x3[..., rot:]), dim=-1).reshape(x.shape)
     return one(query), one(key)
+
+
+def cached_angles(positions, cos_sin_cache, mrope_section):
+    """(cos, sin) halves [T, rot/2] at each token's position: vLLM's `cos_sin_cache[positions].chunk(2)`, MRoPE's
+    section i taken from positions row i."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    if mrope_section:
+        cos, sin = (torch.cat([m[i] for i, m in enumerate(t.split(list(mrope_section), dim=-1))], dim=-1)
+                    for t in (cos, sin))
+    return cos, sin
 
 
 def _check_rotary_embedding(ctx, positions, query, key, cache, head_size, mrope_section, cast_mode):
@@ -861,10 +868,7 @@ def _(backend, positions, query, key, cos_sin_cache, head_size, mrope_section, c
     """The rope kernel on [T, H, D] views, cos and sin gathered at full rotary width on the host (the section
     merge too): the rotation the device runs is rope's, verified at the compiled level."""
     T = positions.shape[-1]
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    if mrope_section:
-        cos, sin = (torch.cat([m[i] for i, m in enumerate(t.split(list(mrope_section), dim=-1))], dim=-1)
-                    for t in (cos, sin))
+    cos, sin = cached_angles(positions, cos_sin_cache, mrope_section)
     if cast_mode == "hf":
         cos, sin = cos.to(query.dtype), sin.to(query.dtype)
     cos, sin = torch.cat((cos, cos), dim=-1).contiguous(), torch.cat((sin, sin), dim=-1).contiguous()
