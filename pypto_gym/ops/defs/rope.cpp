@@ -229,7 +229,19 @@ void rotary_embedding_entry(const at::Tensor& positions, const at::Tensor& q, co
           std::vector<float> buf(2 * E);
           float *c = buf.data(), *s = c + E;
           for (int64_t t = b; t < e; ++t) {
-            for (int64_t j = 0; j < half; ++j) {
+            int64_t j = 0;
+#ifdef PG_SIMD
+            if (sections.empty()) {  // one row: its halves by vectors (a scalar loop here was a fifth of the time)
+              const typename C::T* row = cp + pos[t] * E;
+              for (; j + W <= half; j += W) {
+                V cj = vload<C>(row + j), sj = vload<C>(row + half + j);
+                if (HF) cj = vround<X>(cj), sj = vround<X>(sj);
+                vstore<F32>(c + j, cj), vstore<F32>(c + half + j, cj);
+                vstore<F32>(s + j, sj), vstore<F32>(s + half + j, sj);
+              }
+            }
+#endif
+            for (; j < half; ++j) {
               const typename C::T* row = cp + pos[plane[j] * T + t] * E;
               float cj = C::load(row[j]), sj = C::load(row[half + j]);
               if (HF) cj = round_to<X>(cj), sj = round_to<X>(sj);

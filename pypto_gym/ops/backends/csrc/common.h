@@ -127,13 +127,14 @@ inline __m512i bf16_rne(V v) {  // v rounded to bf16 (round to nearest even), bi
 }
 inline __m256i bf16_pack(V v) {
 #if defined(__AVX512BF16__)
-  // vcvtneps2bf16 treats subnormal inputs as zero whatever MXCSR says; torch rounds them: such lanes (rare) by
-  // the integer rounding, so a bf16 subnormal survives as it does in torch
+  // vcvtneps2bf16 treats subnormal inputs as zero whatever MXCSR says; torch rounds them. Such a lane comes out
+  // +-0, so the (rare) zero lanes are redone by the integer rounding, exact for zeros and subnormals alike (and
+  // never NaN there): a bf16 subnormal survives as in torch. Testing the 16-bit result is one instruction where
+  // testing the float input took four, a quarter of a rope kernel's time.
   const __m256i fast = (__m256i)_mm512_cvtneps_pbh(v);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(1.17549435e-38f), _CMP_LT_OQ) &
-                         _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_UQ);
-  if (!tiny) return fast;
-  return _mm256_mask_mov_epi16(fast, tiny, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rne(v), 16)));
+  const __mmask16 zero = _mm256_testn_epi16_mask(fast, _mm256_set1_epi16(0x7FFF));
+  if (!zero) return fast;
+  return _mm256_mask_mov_epi16(fast, zero, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rne(v), 16)));
 #else
   __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   __m512i r = _mm512_mask_mov_epi32(_mm512_srli_epi32(bf16_rne(v), 16), nan, _mm512_set1_epi32(0x7FC0));
