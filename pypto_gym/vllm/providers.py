@@ -10,11 +10,17 @@ proves each against vLLM's own code in its venv):
   rounded residual).
 - `SiluAndMul` -> `swiglu` on the two halves of x (views, no copy), cast mode `hf`: `F.silu(x[:d]) * x[d:]`.
 - `RotaryEmbedding` -> `rotary_embedding` (vLLM's own form: cos/sin read from its `cos_sin_cache` at each
-  token's position), cast mode `hf` (vLLM rounds cos/sin to the model dtype and every product there), q and k in
-  one call, a partial `rotary_dim`, written over query and key in place, as vLLM's CPU kernel does (no gathered
-  table, no new tensors). GPT-J's interleaved rotation is declined (not a layout the op has).
-- `MRotaryEmbedding` -> `rotary_embedding` with Qwen2.5-VL's `mrope_section` (positions [3, T]); interleaved
-  sections are declined.
+  token's position), cast mode `fp32`: what vLLM runs on the CPU is its C++ `rotary_embedding`, which computes in
+  fp32 and rounds each output once (bit-identical to the op's fp32 mode; its `forward_native`, the arithmetic of
+  its CUDA kernel, rounds every product to the model dtype instead and differs from the CPU op in about a third of
+  bf16 outputs). q and k in one call, a partial `rotary_dim`, written over query and key in place, as vLLM's CPU
+  kernel does (no gathered table, no new tensors). GPT-J's interleaved rotation is declined (not a layout the op
+  has).
+- `MRotaryEmbedding` -> `rotary_embedding` with Qwen2.5-VL's `mrope_section` (positions [3, T]), cast mode `hf`:
+  vLLM has no CPU kernel for it and runs `forward_native`, which rounds cos/sin and every product to the model
+  dtype. Interleaved sections are declined.
+
+So each provider computes what vLLM computes without it on the same CPU, bit for bit in every float dtype.
 
 Declined calls go to vLLM's native code (IR ops: `supports_args`; custom ops: the parent's forward), counted
 per op with the reason; in strict mode (PYPTO_GYM_STRICT=1) a declined call raises. The backend follows
@@ -59,8 +65,9 @@ _bound: dict = {}  # op -> its BoundCall on BACKEND: a provider runs hundreds of
 
 def bound(name: str, op: str, **constants):
     """`op` bound to this process's backend, the vLLM op's counters and its constant arguments, made once: the
-    bound fast path costs about a microsecond where the entry point's costs several."""
-    key = (name, op, BACKEND, tuple(sorted(constants.items())))
+    bound fast path costs about a microsecond where the entry point's costs several. (Each call site passes its
+    constants in one order, so their values key the cache.)"""
+    key = (name, op, BACKEND, *constants.values())
     if key not in _bound:
         _bound[key] = ops.OPS[op].bind(BACKEND, COUNTERS.stats[name], **constants)
     return _bound[key]
@@ -174,19 +181,20 @@ def _rope_reason(layer, query, key, positions) -> str | None:
     return None
 
 
-def _rotate_in_place(layer, positions, query, key, op_name, section=()):
-    """q and k rotated by `rotary_embedding` (hf mode) from the layer's cache (in the query's dtype, as vLLM matches
-    it), written over query and key as vLLM's CPU kernel does."""
+def _rotate_in_place(layer, positions, query, key, op_name, cast_mode, section=()):
+    """q and k rotated by `rotary_embedding` in `cast_mode` from the layer's cache (in the query's dtype, as vLLM
+    matches it), written over query and key as vLLM's CPU kernel does."""
     cache = layer._match_cos_sin_cache_dtype(query)
     return bound(op_name, "rotary_embedding", head_size=layer.head_size, mrope_section=tuple(section),
-                 cast_mode="hf").into((query, key), positions, query, key, cache)
+                 cast_mode=cast_mode).into((query, key), positions, query, key, cache)
 
 
 def _rotary_class():
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
     class PyptoGymRotaryEmbedding(RotaryEmbedding):
-        """vLLM's rotary embedding by pypto-gym's rope: q and k in one call, in place."""
+        """vLLM's rotary embedding by pypto-gym's rotary_embedding in fp32 mode (vLLM's CPU op's arithmetic): q
+        and k in one call, in place."""
 
         def forward_cpu(self, positions, query, key=None):
             return self._run(positions, query, key, super().forward_cpu)
@@ -197,7 +205,7 @@ def _rotary_class():
         def _run(self, positions, query, key, native):
             reason = _rope_reason(self, query, key, positions)
             if reason is None:
-                return _rotate_in_place(self, positions.flatten(), query, key, "RotaryEmbedding")
+                return _rotate_in_place(self, positions.flatten(), query, key, "RotaryEmbedding", "fp32")
             COUNTERS.decline("RotaryEmbedding", reason)
             return native(positions, query, key)
 
@@ -224,7 +232,7 @@ def _mrotary_class():
                 reason = "interleaved mrope sections"
             if reason is None:
                 section = self.mrope_section if positions.ndim == 2 else ()
-                return _rotate_in_place(self, positions, query, key, "MRotaryEmbedding", section)
+                return _rotate_in_place(self, positions, query, key, "MRotaryEmbedding", "hf", section)
             COUNTERS.decline("MRotaryEmbedding", reason)
             return native(positions, query, key, offsets)
 

@@ -11,17 +11,17 @@ rope(q, k, cos, sin) = (q*cos + rotate_half(q)*sin, k*cos + rotate_half(k)*sin),
   and sin are the un-merged (3, B, S, E) planes, and the section selection happens inside the op;
   transformers 5.x merges them once per forward and hands over the merged (B, S, E) form.
 - cast modes: `hf` rounds as HF's text function does (each product and the sum in the promoted dtype
-  of q and cos; also vLLM's text rotary, which rounds every product in the model dtype); `fp32` upcasts
-  q, k, cos and sin, computes in fp32 and rounds once to q's and k's dtypes (HF's
-  `apply_rotary_pos_emb_vision`, torch_npu's kernels). The torch backend is
+  of q and cos; also vLLM's `forward_native` and CUDA rotary, which round every product in the model dtype);
+  `fp32` upcasts q, k, cos and sin, computes in fp32 and rounds once to q's and k's dtypes (HF's
+  `apply_rotary_pos_emb_vision`, torch_npu's kernels, vLLM's C++ CPU rotary). The torch backend is
   bit-identical to the HF function of each form.
 
 rotary_embedding(positions, query, key, cos_sin_cache, head_size, ...): the same rotation in vLLM's (and
 torch_npu's `npu_mrope`) form: cos and sin read at each token's position from a [max_position, rot] cache
 whose halves are cos and sin (MRoPE: section i of the half from the i-th row of [3, T] positions), query
 and key as [T, heads * head_size]; `hf` rounds cos/sin to the query's dtype and every product there (vLLM's
-`forward_native`), `fp32` computes in fp32 and rounds once. It is what vLLM's RotaryEmbedding and
-MRotaryEmbedding run (vllm/providers.py), in place: its cpu kernel writes the rotated heads over the inputs
+`forward_native`), `fp32` computes in fp32 and rounds once (vLLM's C++ CPU op). It is what vLLM's RotaryEmbedding
+(fp32) and MRotaryEmbedding (hf) run (vllm/providers.py), in place: its cpu kernel writes the rotated heads over the inputs
 (`Op.call(..., into=)`), as vLLM's own CPU kernel does, without a gathered cos/sin table or new tensors.
 
 qk_norm_rope(q, k, q_weight, k_weight, cos, sin, ...) = rope(rms_norm(q), rms_norm(k), cos, sin): the
