@@ -20,7 +20,9 @@ proves each against vLLM's own code in its venv):
   vLLM has no CPU kernel for it and runs `forward_native`, which rounds cos/sin and every product to the model
   dtype. Interleaved sections are declined.
 
-So each provider computes what vLLM computes without it on the same CPU, bit for bit in every float dtype.
+So each provider computes what vLLM computes without it on the same CPU, bit for bit (in fp32 the C++ rotary
+contracts x*cos - y*sin into an FMA, which the op's kernels never do: there the provider is forward_native's
+arithmetic, 1 ulp from the C++ op's in some outputs).
 
 Declined calls go to vLLM's native code (IR ops: `supports_args`; custom ops: the parent's forward), counted
 per op with the reason; in strict mode (PYPTO_GYM_STRICT=1) a declined call raises. The backend follows
