@@ -33,6 +33,9 @@ def main(model: str, request_path: str) -> int:
          "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]}
         for o in outputs]}
     print(MARK + json.dumps(answer), flush=True)  # vLLM logs to stdout too, before and after
+    from pypto_gym.vllm import report
+
+    report.close(llm)  # every engine process exits (its report written) before this one does
     return 0
 
 

@@ -32,6 +32,15 @@ def start(report_dir: str | None, capture_dir: str | None) -> None:
         atexit.register(_write, report_dir, capture_dir, recorder)
 
 
+def close(llm, timeout: float = 120.0) -> None:
+    """Shut `llm`'s engine down and wait (up to `timeout` s) until its processes have exited, their reports written.
+
+    Call it before `merged`. Left to itself, vLLM shuts its engine down at interpreter exit and gives the engine
+    processes 5 s before it kills them: on a loaded machine an engine core can take longer, and a killed process
+    writes no report (a test in CI saw one of two files)."""
+    llm.llm_engine.engine_core.shutdown(timeout=timeout)
+
+
 def _write(report_dir, capture_dir, recorder) -> None:
     from .providers import COUNTERS
 
