@@ -5,7 +5,11 @@ depends on the output dtype. A rotation's outputs (rope, qk_norm_rope: kind "rot
 the larger of |g| and the rms of g's head vector instead: an output near zero is a cancellation of two
 products (x_i cos - x_j sin), where one ulp of the vector's scale (an fp32 norm summed in another order, as
 the cpu qk_norm_rope's fp64 sum of squares is) is a large error relative to the output itself and a
-negligible one for the rotated vector; a wrong element still errs by the vector's scale. Quantised outputs are judged by how many codes differ (at most 0.1%,
+negligible one for the rotated vector; a wrong element still errs by the vector's scale. An attention's
+outputs (kind "mixture": softmax-weighted means of value rows) are judged the same way: an output near zero is
+a cancellation of many weighted values, where the exps rounded to bf16 before the second product (as torch's
+flash attention and the cpu kernel both do, on sums ordered differently) move it by a fraction of the head
+vector's scale. Quantised outputs are judged by how many codes differ (at most 0.1%,
 and at least one code is always allowed: a tie at .5 flipped by a last-bit difference of the row's
 rms is not a defect even in a 100-element tensor) and by how much, and their scales by relative error.
 """
@@ -65,7 +69,7 @@ def compare(actual: torch.Tensor, golden: torch.Tensor, name: str = "output", ki
     a_f, g_f = a[finite], g[finite]
     diff = (a_f - g_f).abs()
     rel = diff / (g_f.abs() + 1e-7)
-    if kind == "rotation":  # relative to the larger of |g| and its vector's rms: see ROTATION below
+    if kind in ("rotation", "mixture"):  # relative to the larger of |g| and its vector's rms (module docstring)
         rms = g.nan_to_num(0, 0, 0).pow(2).mean(-1, keepdim=True).sqrt().expand_as(g)[finite]
         rel = diff / (torch.maximum(g_f.abs(), rms) + 1e-7)
     max_abs = float(diff.max()) if diff.numel() else 0.0

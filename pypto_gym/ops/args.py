@@ -355,8 +355,8 @@ class DType(Arg):
 @dataclass(frozen=True)
 class Output:
     """One output of an op. kind: "float" (SPEC 5's relative rule), "codes" (quantised integers: at most
-    one code apart in 0.1% of elements), "scale" (relative error <= 1e-5), "rotation" (SPEC 5's rule relative
-    to the head vector's rms near zero: precision.py), "exact" (integer sums: equal). `present_if`: the output
+    one code apart in 0.1% of elements), "scale" (relative error <= 1e-5), "rotation" and "mixture" (SPEC 5's
+    rule relative to the head vector's rms near zero, for rotations and attention outputs: precision.py), "exact" (integer sums: equal). `present_if`: the output
     exists only when that argument is given (else the entry point returns None for it)."""
 
     name: str

@@ -55,7 +55,9 @@ class BenchSpec:
     "vs_compile" and "floor" (rows of at least "min_tokens" tokens). hf_kernels(args) -> [(label, kind,
     inputs, output shape, output dtype, scalars)]: each kernel HF eager launches for one call, as a kind of
     baseline kernel (bench/pypto_kernels.py: cast, mul, add, mean, add_scalar, rsqrt, neg, cat, silu) that
-    `bench pypto` and `bench layer` cost on PyPTO's NPU model next to the fused op."""
+    `bench pypto` and `bench layer` cost on PyPTO's NPU model next to the fused op. alternatives: {name:
+    fn(args) -> callable}, other ways a CPU user could compute the op (varlen attention: one padded batched sdpa),
+    each timed beside it, with goal "vs_<name>"."""
 
     shapes: Callable
     hf: Callable
@@ -64,6 +66,7 @@ class BenchSpec:
     goals: dict
     unfused: Callable | None = None
     hf_kernels: Callable | None = None
+    alternatives: dict | None = None
 
 
 @dataclass

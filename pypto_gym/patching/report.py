@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections import Counter
 
 
-SITE_NAMES = {"rms_norm": "norm", "swiglu": "mlp", "rope": "rope", "qk_norm_rope": "qk-norm+rope"}  # how the summary line names an op's sites
+SITE_NAMES = {"rms_norm": "norm", "swiglu": "mlp", "rope": "rope", "qk_norm_rope": "qk-norm+rope",
+              "varlen_attention": "vision attention"}  # how the summary line names an op's sites
 
 
 class PatchReport:

@@ -37,6 +37,7 @@ from .site import Candidate, Rule, Site, has_hooks, part, register
 ROPE, QK_NORM_ROPE = OPS["rope"], OPS["qk_norm_rope"]
 _STATE = config.STATE
 _HELPER = "_pypto_gym_rope"
+_ATTENTION_HELPER = "_pypto_gym_attention"
 _NORMS = ("q_norm", "k_norm")
 _SHAPE_METHODS = {"transpose", "view", "reshape", "permute", "contiguous"}
 _forms: dict = {}  # rotary function -> (Form, reason)
@@ -198,15 +199,51 @@ def _norm_statement(stmt, norm: str):
     return None
 
 
-def transform(fdef, module_globals, fused_norms: bool):
+def _window_attention(fdef):
+    """(index, the flash branch's call, its target name) of the vision attention's `if <flash>: one call with
+    cu_seq_lens_q ... else: one call per window` statement, or None."""
+    for i, stmt in enumerate(fdef.body):
+        if not isinstance(stmt, ast.If):
+            continue
+        for branch in (stmt.body, stmt.orelse):
+            for node in branch:
+                if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.Call)
+                        and any(kw.arg == "cu_seq_lens_q" for kw in node.value.keywords)):
+                    continue
+                target = node.targets[0]
+                target = target.elts[0] if isinstance(target, ast.Tuple) and target.elts else target
+                if name_is(target) and len(node.value.args) >= 4 and name_is(node.value.args[0], "self"):
+                    return i, node.value, target.id
+    return None
+
+
+def transform(fdef, module_globals, fused_norms: bool, attention: bool = False):
     """Route the rotary call through the site; with fused_norms, also drop q_norm/k_norm from the statements
     assigning the names rotated (only uses between them and the rotation would see unnormalised values:
-    refused). Returns what changed."""
+    refused); with attention, put `OUT = <the site's attention>(self, Q, K, V, cu_seqlens, scaling)` before the
+    vision attention's flash-or-per-window statement, which then runs only when the site declines (returns
+    None). Returns what changed."""
+    changed = []
+    if attention:
+        found = _window_attention(fdef)
+        if found is None:
+            raise ValueError("no `if <flash attention>: ... cu_seq_lens_q=... else: <per-window loop>` statement")
+        i, call, target = found
+        keywords = {kw.arg: kw.value for kw in call.keywords}
+        if "scaling" not in keywords:
+            raise ValueError("the flash branch's attention call has no scaling=")
+        fused = ast.Assign(targets=[ast.Name(target, ast.Store())], value=ast.Call(
+            func=ast.Name(_ATTENTION_HELPER, ast.Load()),
+            args=[*call.args[:4], keywords["cu_seq_lens_q"], keywords["scaling"]], keywords=[]))
+        declined = ast.If(test=ast.Compare(left=ast.Name(target, ast.Load()), ops=[ast.Is()],
+                                           comparators=[ast.Constant(None)]), body=[fdef.body[i]], orelse=[])
+        fdef.body[i:i + 1] = [fused, declined]
+        changed.append("window attention")
     calls = _rotary_calls(fdef, module_globals)
     if len(calls) != 1:
         raise ValueError(f"{len(calls)} rotary calls")
     i, call, name = calls[0]
-    changed = [name]
+    changed.insert(0, name)
     if fused_norms:
         for norm, arg in zip(_NORMS, call.args[:2]):
             if not name_is(arg):
@@ -235,7 +272,7 @@ class RopeSite(RewrittenForward, Site):
         self.form: Form = cand.info["form"]
         self.norms = cand.info["norms"]  # the q_norm/k_norm sites, when fused
         self.op = "qk_norm_rope" if self.norms else "rope"
-        self.key = ("rope", bool(self.norms))  # which rewrite of the class (rewrite.py's verdicts are per key)
+        self.attention = None  # the vision.attention site (attention.py) whose op this rewrite also runs
         cast = "fp32" if options.cast_mode == "fp32" else self.form.cast_mode  # hf: HF's own rounding per form
         if self.norms:
             q_site, k_site = self.norms
@@ -246,14 +283,25 @@ class RopeSite(RewrittenForward, Site):
         self.bypassed: dict[str, int] = {}
         self._fn = None
 
+    @property
+    def key(self):
+        """Which rewrite of the class (rewrite.py's verdicts are per key)."""
+        return "rope", bool(self.norms), self.attention is not None
+
     @staticmethod
-    def rewrite(cls, fused: bool):
-        """(function, what changed, reason): cls.forward with its rotary call (and, fused, its q/k norms) routed
-        through the site."""
-        return rewritten(cls, ("rope", fused), lambda fdef, g: transform(fdef, g, fused), {_HELPER: rope_call})
+    def rewrite(cls, fused: bool, attention: bool = False):
+        """(function, what changed, reason): cls.forward with its rotary call (and, fused, its q/k norms; with
+        attention, its per-window attention) routed through the site."""
+        return rewritten(cls, ("rope", fused, attention), lambda fdef, g: transform(fdef, g, fused, attention),
+                         {_HELPER: rope_call, _ATTENTION_HELPER: attention_call})
 
     def build(self):
-        return self.rewrite(type(self.module), bool(self.norms))
+        return self.rewrite(type(self.module), bool(self.norms), self.attention is not None)
+
+    def attach(self, attention) -> None:
+        """Run `attention`'s op in this site's rewrite too (None: detach); the rewrite is rebuilt and checked."""
+        self.attention = attention
+        self._fn = None
 
     def install(self) -> None:
         super().install()
@@ -313,6 +361,13 @@ class RopeSite(RewrittenForward, Site):
 def rope_call(module, fn, *args, **kwargs):
     """What the rewritten forward calls instead of the rotary function `fn`."""
     return module.__dict__["_pypto_gym_site"].apply(fn, args, kwargs)
+
+
+def attention_call(module, q, k, v, cu_seqlens, scaling):
+    """What the rewritten forward runs before HF's flash-or-per-window statement: the attention of every window
+    as [1, T, H, D], or None for HF's own statement to run (no attention site attached, or it declined)."""
+    attention = module.__dict__["_pypto_gym_site"].attention
+    return None if attention is None else attention.apply(module, q, k, v, cu_seqlens, scaling)
 
 
 def rope_forward(module, *args, **kwargs):

@@ -1,0 +1,242 @@
+// varlen_attention (defs/varlen_attention.py): softmax(q k^T * scale) v inside each window of cu_seqlens, every
+// window and head in one call, threads over (window, head).
+//
+// A task packs its window's keys (transposed) and values as fp32 in thread-local buffers once, then per block of 64
+// query rows runs both products with one register-blocked kernel (C += A B, B's rows a multiple of the vector width): S = Q K^T,
+// then an online softmax over key blocks of 64 (a window of up to 64 is one block; a full-attention block's
+// thousands of keys are many, as in torch's flash attention), O += P V, O times 1 / l at the end, rounded once. As
+// torch's CPU flash attention (which HF's per-window sdpa calls run) does: scores scaled after the product,
+// exp of (s - row max), the row sum from the fp32 exps, and in hf mode on 16-bit inputs the exps rounded to
+// the input dtype before P V (fp32 mode keeps them fp32). Accumulation orders differ from torch's GEMMs, so
+// outputs are within the precision rule, not bit-identical.
+#include "common.h"
+
+namespace {
+
+#ifdef PG_SIMD
+constexpr int64_t LANES = W;
+#else
+constexpr int64_t LANES = 1;
+#endif
+constexpr int64_t BLOCK_Q = 64;  // query rows per task
+constexpr int64_t BLOCK_K = 64;  // keys per online-softmax step
+
+inline int64_t padded(int64_t n) { return (n + LANES - 1) / LANES * LANES; }
+
+#ifdef PG_SIMD
+// C[R][NC*W] (+)= A[R][K] B[K][NC*W]: R x NC accumulators in registers, A broadcast, B rows loaded once per k
+template <int R, int NC, bool ACC>
+inline void micro(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t K) {
+  V acc[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = ACC ? vload<F32>(C + r * ldc + c * W) : vset(0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    V b[NC];
+    for (int c = 0; c < NC; ++c) b[c] = vload<F32>(B + k * ldb + c * W);
+    for (int r = 0; r < R; ++r) {
+      const V a = vset(A[r * lda + k]);
+      for (int c = 0; c < NC; ++c) acc[r][c] = vfma(a, b[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) vstore<F32>(C + r * ldc + c * W, acc[r][c]);
+}
+
+template <int R, bool ACC>
+inline void micro_cols(int nc, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+                       int64_t K) {
+  switch (nc) {
+    case 5: micro<R, 5, ACC>(A, lda, B, ldb, C, ldc, K); break;
+    case 4: micro<R, 4, ACC>(A, lda, B, ldb, C, ldc, K); break;
+    case 3: micro<R, 3, ACC>(A, lda, B, ldb, C, ldc, K); break;
+    case 2: micro<R, 2, ACC>(A, lda, B, ldb, C, ldc, K); break;
+    default: micro<R, 1, ACC>(A, lda, B, ldb, C, ldc, K); break;
+  }
+}
+#endif
+
+// C[M][N] (+)= A[M][K] B[K][N], row-major with leading dims; N a multiple of LANES
+template <bool ACC>
+void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t M, int64_t N,
+          int64_t K) {
+#ifdef PG_SIMD
+  // up to 4 x 5 accumulators (AVX-512: 32 registers) or 2 x 5 (AVX2: 16), so an 80-wide head is one pass
+  constexpr int ROWS = W == 16 ? 4 : 2;
+  for (int64_t n0 = 0; n0 < N; n0 += 5 * W) {
+    const int nc = (int)std::min<int64_t>(5, (N - n0) / W);
+    int64_t i = 0;
+    for (; i + ROWS <= M; i += ROWS)
+      micro_cols<ROWS, ACC>(nc, A + i * lda, lda, B + n0, ldb, C + i * ldc + n0, ldc, K);
+    for (; i < M; ++i) micro_cols<1, ACC>(nc, A + i * lda, lda, B + n0, ldb, C + i * ldc + n0, ldc, K);
+  }
+#else
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t n = 0; n < N; ++n) {
+      float acc = ACC ? C[i * ldc + n] : 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc += A[i * lda + k] * B[k * ldb + n];
+      C[i * ldc + n] = acc;
+    }
+#endif
+}
+
+// one row of scores -> probabilities in place (exps rounded to X in hf mode); returns the fp32 sum of the exps
+template <class X, bool ROUND_P>
+float exp_row(float* s, int64_t n, int64_t n_padded, float max) {
+  float sum = 0.0f;
+  int64_t j = 0;
+#ifdef PG_SIMD
+  V acc = vset(0.0f);
+  for (; j + W <= n; j += W) {
+    V p = vexp(vsub(vload<F32>(s + j), vset(max)));
+    acc = vadd(acc, p);
+    vstore<F32>(s + j, ROUND_P ? vround<X>(p) : p);
+  }
+  alignas(64) float lanes[W];
+  vstore<F32>(lanes, acc);
+  for (int64_t l = 0; l < W; ++l) sum += lanes[l];
+#endif
+  for (; j < n; ++j) {
+    const float p = std::exp(s[j] - max);
+    sum += p;
+    s[j] = ROUND_P ? round_to<X>(p) : p;
+  }
+  for (; j < n_padded; ++j) s[j] = 0.0f;
+  return sum;
+}
+
+// s[0:n] *= scale; returns the max
+inline float scale_max(float* s, int64_t n, float scale) {
+  float row_max = -INFINITY;
+  int64_t j = 0;
+#ifdef PG_SIMD
+  if (n >= W) {
+    V mx = vset(-INFINITY);
+    for (; j + W <= n; j += W) {
+      const V x = vmul(vload<F32>(s + j), vset(scale));
+      vstore<F32>(s + j, x);
+      mx = vmaxf(mx, x);
+    }
+    row_max = vhmax(mx);
+  }
+#endif
+  for (; j < n; ++j) {
+    s[j] *= scale;
+    row_max = std::max(row_max, s[j]);
+  }
+  return row_max;
+}
+
+template <class X>
+inline void to_f32(const typename X::T* src, float* dst, int64_t n) {
+  int64_t d = 0;
+#ifdef PG_SIMD
+  for (; d + W <= n; d += W) vstore<F32>(dst + d, vload<X>(src + d));
+#endif
+  for (; d < n; ++d) dst[d] = X::load(src[d]);
+}
+
+struct Task {
+  int64_t start, end, head;  // the window [start, end) and the head
+};
+
+template <class X, bool ROUND_P>
+void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& y,
+                     const std::vector<Task>& tasks, int64_t longest, float scale) {
+  using T = typename X::T;
+  const int64_t D = q.size(2), Dp = padded(D), Kp = padded(BLOCK_K), Lp = padded(longest);
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
+  const int64_t qt = q.stride(0), qh = q.stride(1), kt = k.stride(0), kh = k.stride(1), vt = v.stride(0),
+                vh = v.stride(1), yt = y.stride(0), yh = y.stride(1);
+  at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t begin, int64_t end) {
+    // the window's keys transposed [D][Lp] and values [Lp][Dp], packed once; a block of queries and its state
+    std::vector<float> KT(D * Lp), Vw(Lp * Dp), Q(BLOCK_Q * D), S(BLOCK_Q * Kp), O(BLOCK_Q * Dp), m(BLOCK_Q),
+        l(BLOCK_Q);
+    for (int64_t t = begin; t < end; ++t) {
+      const Task& task = tasks[t];
+      const int64_t h = task.head, L = task.end - task.start, Lw = padded(L);
+      for (int64_t j = 0; j < Lw; ++j) {
+        float* vw = Vw.data() + j * Dp;
+        if (j >= L) {
+          std::fill(vw, vw + Dp, 0.0f);
+          for (int64_t d = 0; d < D; ++d) KT[d * Lp + j] = 0.0f;
+          continue;
+        }
+        const T* krow = kp + (task.start + j) * kt + h * kh;
+        const T* vrow = vp + (task.start + j) * vt + h * vh;
+        for (int64_t d = 0; d < D; ++d) KT[d * Lp + j] = X::load(krow[d]);
+        to_f32<X>(vrow, vw, D);
+        std::fill(vw + D, vw + Dp, 0.0f);
+      }
+      for (int64_t q0 = 0; q0 < L; q0 += BLOCK_Q) {
+        const int64_t nq = std::min(BLOCK_Q, L - q0);
+        for (int64_t i = 0; i < nq; ++i) {
+          to_f32<X>(qp + (task.start + q0 + i) * qt + h * qh, Q.data() + i * D, D);
+        }
+        std::fill(O.begin(), O.end(), 0.0f);
+        std::fill(m.begin(), m.end(), -INFINITY);
+        std::fill(l.begin(), l.end(), 0.0f);
+        for (int64_t k0 = 0; k0 < L; k0 += BLOCK_K) {
+          const int64_t nk = std::min(BLOCK_K, L - k0), nkp = padded(nk);
+          gemm<false>(Q.data(), D, KT.data() + k0, Lp, S.data(), Kp, nq, nkp, D);
+          for (int64_t i = 0; i < nq; ++i) {
+            float* s = S.data() + i * Kp;
+            const float m_new = std::max(m[i], scale_max(s, nk, scale));
+            const float alpha = std::exp(m[i] - m_new);  // 0 at the first block (m = -inf)
+            l[i] = l[i] * alpha + exp_row<X, ROUND_P>(s, nk, nkp, m_new);
+            if (alpha != 1.0f)
+              for (int64_t d = 0; d < Dp; ++d) O[i * Dp + d] *= alpha;
+            m[i] = m_new;
+          }
+          gemm<true>(S.data(), Kp, Vw.data() + k0 * Dp, Dp, O.data(), Dp, nq, Dp, nkp);
+        }
+        for (int64_t i = 0; i < nq; ++i) {
+          T* out = yp + (task.start + q0 + i) * yt + h * yh;
+          const float* o = O.data() + i * Dp;
+          const float r = 1.0f / l[i];  // as torch's flash attention: times the reciprocal of the sum
+          int64_t d = 0;
+#ifdef PG_SIMD
+          for (; d + W <= D; d += W) vstore<X>(out + d, vmul(vload<F32>(o + d), vset(r)));
+#endif
+          for (; d < D; ++d) out[d] = X::store(o[d] * r);
+        }
+      }
+    }
+  });
+}
+
+// q, k, v [T, H, D] (any token and head strides, D contiguous); cu_seqlens the window bounds, 0 ... T
+at::Tensor varlen_attention_entry(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                  const std::vector<int64_t>& cu_seqlens, double scale, int64_t mode) {
+  auto last_dim_dense = [](const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };
+  const at::Tensor q = last_dim_dense(q_in), k = last_dim_dense(k_in), v = last_dim_dense(v_in);
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
+              "varlen_attention: q, k and v must be [T, H, D] of one shape");
+  at::Tensor y = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t H = q.size(1);
+  std::vector<Task> tasks;
+  int64_t longest = 0;
+  for (size_t w = 0; w + 1 < cu_seqlens.size(); ++w) {
+    if (cu_seqlens[w + 1] == cu_seqlens[w]) continue;
+    longest = std::max(longest, cu_seqlens[w + 1] - cu_seqlens[w]);
+    for (int64_t h = 0; h < H; ++h) tasks.push_back({cu_seqlens[w], cu_seqlens[w + 1], h});
+  }
+  if (tasks.empty() || q.size(2) == 0) return y;
+  dispatch_dtype(q.scalar_type(), [&](auto xt) {
+    using X = decltype(xt);
+    if (mode == HF && q.scalar_type() != at::kFloat)
+      attention_tasks<X, true>(q, k, v, y, tasks, longest, (float)scale);
+    else
+      attention_tasks<X, false>(q, k, v, y, tasks, longest, (float)scale);
+  });
+  return y;
+}
+
+}  // namespace
+
+PG_KERNELS(varlen_attention) {
+  m.def("varlen_attention", &varlen_attention_entry,
+        "varlen_attention(q, k, v, cu_seqlens, scale, mode) -> softmax(q k^T * scale) v per window");
+}
