@@ -155,6 +155,8 @@ def op_rows(op, dtype, dname, levels, quick, rounds) -> list[dict]:
             fns[f"cpu_{isa}"] = (lambda b=op.bind(name, ops.Stats(), **constants): b(*tensors))
             if spec.unfused is not None:
                 fns[f"unfused_{isa}"] = spec.unfused(args, name)
+        for alt, make in (spec.alternatives or {}).items():
+            fns[alt] = make(args)
         from torch._dynamo.utils import counters
 
         counters.clear()
@@ -167,6 +169,7 @@ def op_rows(op, dtype, dname, levels, quick, rounds) -> list[dict]:
                "cpu_over_floor": best / us["floor"], "compile_recompiles": recompiled}
         if spec.unfused is not None:
             row["fused_speedup"] = us[f"unfused_{next(iter(levels))}"] / best
+        row["alternatives"] = {alt: us[alt] / best for alt in spec.alternatives or {}}
         rows.append(row)
     return rows
 
@@ -180,7 +183,8 @@ def _print_rows(rows, kcols):
               f"{r['torch_us']:>9.1f} " + " ".join(f"{r['cpu_' + k + '_us']:>15.1f}" for k in kcols)
               + f" {r['floor_us']:>8.1f} {r['cpu_speedup_vs_hf']:>6.2f}x {r['cpu_speedup_vs_compile']:>6.2f}x "
               f"{r['cpu_over_floor']:>6.2f}x" + (f"   fused {r['fused_speedup']:.2f}x its parts" if "fused_speedup" in r
-                                                 else ""))
+                                                 else "")
+              + "".join(f"   {v:.2f}x {k}" for k, v in r.get("alternatives", {}).items()))
 
 
 def goal_lines(rows, modules) -> list[str]:
@@ -205,6 +209,9 @@ def goal_lines(rows, modules) -> list[str]:
             if "floor" in g:
                 goals.append(goal_line(r["cpu_over_floor"] <= g["floor"], f"{label}: {r['cpu_over_floor']:.2f}x "
                                                                           f"{r['floor']} (goal <= {g['floor']}x)"))
+        for alt, speedup in r.get("alternatives", {}).items():
+            goal = g[f"vs_{alt}"]
+            goals.append(goal_line(speedup >= goal, f"{label}: {speedup:.2f}x {alt} (goal >= {goal}x)"))
         if "fused_speedup" in r:
             goals.append(goal_line(r["fused_speedup"] > 1, f"{label}: {r['fused_speedup']:.2f}x its parts on their "
                                                            f"own cpu kernels (goal > 1x)"))
