@@ -204,7 +204,8 @@ def test_accelerate_cpu_and_disk_offload_runs_patched(tmp_path, sample_inputs):
     report = pypto_gym.patch_model(model, backend="cpu").to_json()
     assert report["summary"]["by_op"] == {"rms_norm": {"candidates": 18, "patched": 18},
                                           "swiglu": {"candidates": 8, "patched": 8},
-                                          "rope": {"candidates": 8, "patched": 8}}
+                                          "rope": {"candidates": 8, "patched": 8},
+                                          "varlen_attention": {"candidates": 4, "patched": 4}}
     got = logits(model, sample_inputs)
     assert compare(got, expected).cosine >= 0.9999
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
