@@ -303,7 +303,7 @@ def test_deepcopy_of_a_patched_model_is_independent(model32, sample_inputs):
 
 
 def test_a_sites_selection_matching_nothing_is_refused_and_patches_nothing(model32):
-    with pytest.raises(pypto_gym.NoSitesError, match=r"sites: 'nomatch\*' matched none of the 34 sites"):
+    with pytest.raises(pypto_gym.NoSitesError, match=r"sites: 'nomatch\*' matched none of the 38 sites"):
         pypto_gym.patch_model(model32, backend="torch", sites=["nomatch*"])
     assert pypto_gym.patch_report(model32) is None and not any("forward" in m.__dict__ for m in model32.modules())
 

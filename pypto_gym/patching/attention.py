@@ -106,7 +106,7 @@ class AttentionRule(Rule):
         rope = ROPES.classify(path, module, options)
         if rope is None or rope.reason:
             cand.reason = f"its rotary call is not a rope site ({rope.reason if rope else 'none found'})"
-        elif options is not None and not selected(rope, options.sites):
+        elif options is not None and selected(cand, options.sites) and not selected(rope, options.sites):
             cand.reason = f"runs inside its {rope.kind} site, which sites= does not select"
         else:
             cand.reason = RopeSite.rewrite(type(module), fused=False, attention=True)[2]

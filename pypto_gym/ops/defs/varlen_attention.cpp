@@ -1,14 +1,18 @@
 // varlen_attention (defs/varlen_attention.py): softmax(q k^T * scale) v inside each window of cu_seqlens, every
 // window and head in one call, threads over (window, head).
 //
-// A task packs its window's keys (transposed) and values as fp32 in thread-local buffers once, then per block of 64
-// query rows runs both products with one register-blocked kernel (C += A B, B's rows a multiple of the vector width): S = Q K^T,
-// then an online softmax over key blocks of 64 (a window of up to 64 is one block; a full-attention block's
-// thousands of keys are many, as in torch's flash attention), O += P V, O times 1 / l at the end, rounded once. As
-// torch's CPU flash attention (which HF's per-window sdpa calls run) does: scores scaled after the product,
-// exp of (s - row max), the row sum from the fp32 exps, and in hf mode on 16-bit inputs the exps rounded to
-// the input dtype before P V (fp32 mode keeps them fp32). Accumulation orders differ from torch's GEMMs, so
-// outputs are within the precision rule, not bit-identical.
+// A task packs its window's keys (transposed) and values as fp32 in thread-local buffers once (bf16 pairs for
+// vdpbf16ps on AVX-512 BF16: see gemm_dp), then per block of 64 query rows runs both products with one
+// register-blocked kernel (C += A B, B's rows a multiple of the vector width): S = Q K^T, then an online softmax
+// over key blocks of 64 (a window of up to 64 is one block; a full-attention block's thousands of keys are many,
+// as in torch's flash attention), O += P V, O times 1 / l at the end, rounded once. As torch's CPU flash attention
+// (which HF's per-window sdpa calls run) does: scores scaled after the product, exp of (s - row max), the row sum
+// from the fp32 exps, and in hf mode on 16-bit inputs the exps rounded to the input dtype before P V (fp32 mode
+// keeps them fp32). Accumulation orders differ from torch's GEMMs, so outputs are within the precision rule, not
+// bit-identical.
+#include <cstring>
+#include <type_traits>
+
 #include "common.h"
 
 namespace {
@@ -79,6 +83,62 @@ void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, in
 #endif
 }
 
+#if defined(__AVX512BF16__) && defined(PG_SIMD512)
+// bf16 inputs on AVX-512 BF16: the products of bf16 values are exact in fp32, so a product whose operands are bf16
+// values (q k^T always; p v when the exps are rounded to bf16, hf mode) runs as vdpbf16ps, two products a lane
+// per instruction, on operands packed as pairs along K (one uint32: the even index low, the odd one high).
+// Subnormal bf16 operands count as zero there (far below any score or value that matters).
+#define PG_ATTENTION_DP 1
+template <int R, int NC, bool ACC>
+inline void micro_dp(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C, int64_t ldc,
+                     int64_t K2) {
+  __m512 acc[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = ACC ? _mm512_loadu_ps(C + r * ldc + c * W) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    __m512bh b[NC];
+    for (int c = 0; c < NC; ++c) b[c] = (__m512bh)_mm512_loadu_si512(B + k * ldb + c * W);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32((int)A[r * lda + k]);
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(C + r * ldc + c * W, acc[r][c]);
+}
+
+template <int R, bool ACC>
+inline void micro_dp_cols(int nc, const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C,
+                          int64_t ldc, int64_t K2) {
+  switch (nc) {
+    case 5: micro_dp<R, 5, ACC>(A, lda, B, ldb, C, ldc, K2); break;
+    case 4: micro_dp<R, 4, ACC>(A, lda, B, ldb, C, ldc, K2); break;
+    case 3: micro_dp<R, 3, ACC>(A, lda, B, ldb, C, ldc, K2); break;
+    case 2: micro_dp<R, 2, ACC>(A, lda, B, ldb, C, ldc, K2); break;
+    default: micro_dp<R, 1, ACC>(A, lda, B, ldb, C, ldc, K2); break;
+  }
+}
+
+// C[M][N] (+)= A B with A [M][K2] and B [K2][N] bf16 pairs (K = 2 K2), N a multiple of 16
+template <bool ACC>
+void gemm_dp(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C, int64_t ldc, int64_t M,
+             int64_t N, int64_t K2) {
+  for (int64_t n0 = 0; n0 < N; n0 += 5 * W) {
+    const int nc = (int)std::min<int64_t>(5, (N - n0) / W);
+    int64_t i = 0;
+    for (; i + 4 <= M; i += 4) micro_dp_cols<4, ACC>(nc, A + i * lda, lda, B + n0, ldb, C + i * ldc + n0, ldc, K2);
+    for (; i < M; ++i) micro_dp_cols<1, ACC>(nc, A + i * lda, lda, B + n0, ldb, C + i * ldc + n0, ldc, K2);
+  }
+}
+#endif
+
+inline uint32_t bf16_pair(uint16_t even, uint16_t odd) { return (uint32_t)even | ((uint32_t)odd << 16); }
+inline uint16_t bf16_bits(float f) {  // f holds a bf16 value (exact): its upper half
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return (uint16_t)(u >> 16);
+}
+
 // one row of scores -> probabilities in place (exps rounded to X in hf mode); returns the fp32 sum of the exps
 template <class X, bool ROUND_P>
 float exp_row(float* s, int64_t n, int64_t n_padded, float max) {
@@ -139,6 +199,31 @@ struct Task {
   int64_t start, end, head;  // the window [start, end) and the head
 };
 
+// a window's keys as bf16 pairs along D, transposed [D2][Lp], and (with PAIR_V) its values as pairs along the keys
+// [Lp/2][Dp]; zeros past the window and past D
+template <class T, bool PAIR_V>
+void pack_pairs(const T* kp, const T* vp, const Task& task, int64_t kt, int64_t kh, int64_t vt, int64_t vh, int64_t D,
+                int64_t Dp, int64_t L, int64_t Lw, int64_t Lp, std::vector<uint32_t>& KTp, std::vector<uint32_t>& Vp) {
+  const int64_t D2 = (D + 1) / 2;
+  auto row = [&](const T* base, int64_t t_stride, int64_t h_stride, int64_t j) {
+    return j < L ? reinterpret_cast<const uint16_t*>(base + (task.start + j) * t_stride + task.head * h_stride)
+                 : nullptr;
+  };
+  for (int64_t j = 0; j < Lw; ++j) {
+    const uint16_t* k = row(kp, kt, kh, j);
+    for (int64_t p = 0; p < D2; ++p)
+      KTp[p * Lp + j] = k ? bf16_pair(k[2 * p], 2 * p + 1 < D ? k[2 * p + 1] : 0) : 0;
+  }
+  if constexpr (PAIR_V) {
+    for (int64_t j = 0; j < Lw; j += 2) {
+      const uint16_t *v0 = row(vp, vt, vh, j), *v1 = row(vp, vt, vh, j + 1);
+      uint32_t* out = Vp.data() + j / 2 * Dp;
+      for (int64_t n = 0; n < Dp; ++n)
+        out[n] = n < D ? bf16_pair(v0 ? v0[n] : 0, v1 ? v1[n] : 0) : 0;
+    }
+  }
+}
+
 template <class X, bool ROUND_P>
 void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& y,
                      const std::vector<Task>& tasks, int64_t longest, float scale) {
@@ -150,14 +235,24 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   T* yp = reinterpret_cast<T*>(y.data_ptr());
   const int64_t qt = q.stride(0), qh = q.stride(1), kt = k.stride(0), kh = k.stride(1), vt = v.stride(0),
                 vh = v.stride(1), yt = y.stride(0), yh = y.stride(1);
+#ifdef PG_ATTENTION_DP
+  constexpr bool DP_QK = std::is_same<X, BF16>::value, DP_PV = DP_QK && ROUND_P;
+#else
+  constexpr bool DP_QK = false, DP_PV = false;
+#endif
+  const int64_t D2 = (D + 1) / 2;  // bf16 pairs along D
   at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t begin, int64_t end) {
-    // the window's keys transposed [D][Lp] and values [Lp][Dp], packed once; a block of queries and its state
-    std::vector<float> KT(D * Lp), Vw(Lp * Dp), Q(BLOCK_Q * D), S(BLOCK_Q * Kp), O(BLOCK_Q * Dp), m(BLOCK_Q),
-        l(BLOCK_Q);
+    // the window's keys transposed [D][Lp] and values [Lp][Dp], packed once (as bf16 pairs for vdpbf16ps: keys
+    // [D2][Lp], values [Lp/2][Dp]); a block of queries (and its exps) and its state
+    std::vector<float> KT(DP_QK ? 0 : D * Lp), Vw(DP_PV ? 0 : Lp * Dp), Q(DP_QK ? 0 : BLOCK_Q * D),
+        S(BLOCK_Q * Kp), O(BLOCK_Q * Dp), m(BLOCK_Q), l(BLOCK_Q);
+    std::vector<uint32_t> KTp(DP_QK ? D2 * Lp : 0), Vp(DP_PV ? Lp / 2 * Dp : 0), Qp(DP_QK ? BLOCK_Q * D2 : 0),
+        Pp(DP_PV ? BLOCK_Q * Kp / 2 : 0);
     for (int64_t t = begin; t < end; ++t) {
       const Task& task = tasks[t];
       const int64_t h = task.head, L = task.end - task.start, Lw = padded(L);
-      for (int64_t j = 0; j < Lw; ++j) {
+      if constexpr (DP_QK) pack_pairs<T, DP_PV>(kp, vp, task, kt, kh, vt, vh, D, Dp, L, Lw, Lp, KTp, Vp);
+      for (int64_t j = 0; j < Lw && !DP_QK; ++j) {
         float* vw = Vw.data() + j * Dp;
         if (j >= L) {
           std::fill(vw, vw + Dp, 0.0f);
@@ -170,17 +265,36 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         to_f32<X>(vrow, vw, D);
         std::fill(vw + D, vw + Dp, 0.0f);
       }
+      if constexpr (DP_QK && !DP_PV) {  // fp32 mode: the values as fp32 rows (the exps stay fp32)
+        for (int64_t j = 0; j < Lw; ++j) {
+          float* vw = Vw.data() + j * Dp;
+          if (j < L) to_f32<X>(vp + (task.start + j) * vt + h * vh, vw, D);
+          std::fill(vw + (j < L ? D : 0), vw + Dp, 0.0f);
+        }
+      }
       for (int64_t q0 = 0; q0 < L; q0 += BLOCK_Q) {
         const int64_t nq = std::min(BLOCK_Q, L - q0);
         for (int64_t i = 0; i < nq; ++i) {
-          to_f32<X>(qp + (task.start + q0 + i) * qt + h * qh, Q.data() + i * D, D);
+          const T* qrow = qp + (task.start + q0 + i) * qt + h * qh;
+          if constexpr (DP_QK) {
+            const uint16_t* bits = reinterpret_cast<const uint16_t*>(qrow);
+            for (int64_t p = 0; p < D2; ++p)
+              Qp[i * D2 + p] = bf16_pair(bits[2 * p], 2 * p + 1 < D ? bits[2 * p + 1] : 0);
+          } else {
+            to_f32<X>(qrow, Q.data() + i * D, D);
+          }
         }
         std::fill(O.begin(), O.end(), 0.0f);
         std::fill(m.begin(), m.end(), -INFINITY);
         std::fill(l.begin(), l.end(), 0.0f);
         for (int64_t k0 = 0; k0 < L; k0 += BLOCK_K) {
           const int64_t nk = std::min(BLOCK_K, L - k0), nkp = padded(nk);
-          gemm<false>(Q.data(), D, KT.data() + k0, Lp, S.data(), Kp, nq, nkp, D);
+#ifdef PG_ATTENTION_DP
+          if constexpr (DP_QK)
+            gemm_dp<false>(Qp.data(), D2, KTp.data() + k0, Lp, S.data(), Kp, nq, nkp, D2);
+          else
+#endif
+            gemm<false>(Q.data(), D, KT.data() + k0, Lp, S.data(), Kp, nq, nkp, D);
           for (int64_t i = 0; i < nq; ++i) {
             float* s = S.data() + i * Kp;
             const float m_new = std::max(m[i], scale_max(s, nk, scale));
@@ -190,7 +304,15 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               for (int64_t d = 0; d < Dp; ++d) O[i * Dp + d] *= alpha;
             m[i] = m_new;
           }
-          gemm<true>(S.data(), Kp, Vw.data() + k0 * Dp, Dp, O.data(), Dp, nq, Dp, nkp);
+#ifdef PG_ATTENTION_DP
+          if constexpr (DP_PV) {  // the exps are bf16 values: packed as pairs along the keys
+            for (int64_t i = 0; i < nq; ++i)
+              for (int64_t p = 0; p < nkp / 2; ++p)
+                Pp[i * (Kp / 2) + p] = bf16_pair(bf16_bits(S[i * Kp + 2 * p]), bf16_bits(S[i * Kp + 2 * p + 1]));
+            gemm_dp<true>(Pp.data(), Kp / 2, Vp.data() + k0 / 2 * Dp, Dp, O.data(), Dp, nq, Dp, nkp / 2);
+          } else
+#endif
+            gemm<true>(S.data(), Kp, Vw.data() + k0 * Dp, Dp, O.data(), Dp, nq, Dp, nkp);
         }
         for (int64_t i = 0; i < nq; ++i) {
           T* out = yp + (task.start + q0 + i) * yt + h * yh;

@@ -94,6 +94,7 @@ VARLEN_ATTENTION = Op(varlen_attention, [
               {"T": 200, "H": 3, "D": 80, "cu_seqlens": [0, 64, 128, 130, 130, 200], "scale": 80 ** -0.5},
               {"T": 150, "H": 2, "D": 24, "cu_seqlens": [0, 150], "scale": 0.2, "cast_mode": "fp32"},
               {"T": 7, "H": 1, "D": 5, "cu_seqlens": [0, 3, 7], "scale": 0.4, "dtype": torch.float16},
+              {"T": 83, "H": 2, "D": 7, "cu_seqlens": [0, 3, 83], "scale": 0.3},
               {"T": 70, "H": 2, "D": 32, "cu_seqlens": [0, 70], "scale": 0.17, "dtype": torch.float32}),
     bench=BenchSpec(_bench_shapes, lambda a: (lambda: varlen_attention(*a)), lambda a: (lambda: a[0].clone()),
                     "clone() of q", {"vs_hf": 5.0, "vs_padded_sdpa": 1.5}, alternatives={"padded_sdpa": padded_batch}))
