@@ -64,14 +64,19 @@ template <bool ACC>
 void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t M, int64_t N,
           int64_t K) {
 #ifdef PG_SIMD
-  // up to 4 x 5 accumulators (AVX-512: 32 registers) or 2 x 5 (AVX2: 16), so an 80-wide head is one pass
-  constexpr int ROWS = W == 16 ? 4 : 2;
-  for (int64_t n0 = 0; n0 < N; n0 += 5 * W) {
-    const int nc = (int)std::min<int64_t>(5, (N - n0) / W);
+  // 4 rows x up to 5 vectors of accumulators on AVX-512 (32 registers: an 80-wide head in one pass), 4 x 3 on
+  // AVX2 (12 of its 16); the vectors of a row split evenly over the passes (10 on AVX2: 3, 3, 2, 2, not 3, 3, 3, 1,
+  // whose last pass has too few accumulators to hide the FMA latency)
+  constexpr int ROWS = 4, COLS = W == 16 ? 5 : 3;
+  const int64_t vectors = N / W;
+  for (int64_t n0 = 0, done = 0, passes = (vectors + COLS - 1) / COLS; done < vectors; --passes) {
+    const int nc = (int)((vectors - done + passes - 1) / passes);
     int64_t i = 0;
     for (; i + ROWS <= M; i += ROWS)
       micro_cols<ROWS, ACC>(nc, A + i * lda, lda, B + n0, ldb, C + i * ldc + n0, ldc, K);
     for (; i < M; ++i) micro_cols<1, ACC>(nc, A + i * lda, lda, B + n0, ldb, C + i * ldc + n0, ldc, K);
+    done += nc;
+    n0 += nc * W;
   }
 #else
   for (int64_t i = 0; i < M; ++i)
