@@ -19,7 +19,7 @@ import textwrap
 import torch
 
 from ..ops import OPS, ArgTypeError, ArgValueError, dtype_name
-from .rope import ROPES, RopeSite, _window_attention
+from .rope import ROPES, RopeSite, window_attention_statement
 from .site import Candidate, Rule, Site, part, register, selected, site_of
 
 VARLEN_ATTENTION = OPS["varlen_attention"]
@@ -31,7 +31,8 @@ def has_window_attention(cls) -> bool:
     if cls not in _has_window_loop:
         try:
             fdef = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body[0]
-            _has_window_loop[cls] = isinstance(fdef, ast.FunctionDef) and _window_attention(fdef) is not None
+            _has_window_loop[cls] = isinstance(fdef, ast.FunctionDef) and \
+                window_attention_statement(fdef) is not None
         except (OSError, TypeError, SyntaxError):
             _has_window_loop[cls] = False
     return _has_window_loop[cls]

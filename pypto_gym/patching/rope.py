@@ -199,7 +199,7 @@ def _norm_statement(stmt, norm: str):
     return None
 
 
-def _window_attention(fdef):
+def window_attention_statement(fdef):
     """(index, the flash branch's call, its target name) of the vision attention's `if <flash>: one call with
     cu_seq_lens_q ... else: one call per window` statement, or None."""
     for i, stmt in enumerate(fdef.body):
@@ -225,7 +225,7 @@ def transform(fdef, module_globals, fused_norms: bool, attention: bool = False):
     None). Returns what changed."""
     changed = []
     if attention:
-        found = _window_attention(fdef)
+        found = window_attention_statement(fdef)
         if found is None:
             raise ValueError("no `if <flash attention>: ... cu_seq_lens_q=... else: <per-window loop>` statement")
         i, call, target = found
