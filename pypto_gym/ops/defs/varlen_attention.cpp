@@ -46,15 +46,31 @@ inline void micro(const float* A, int64_t lda, const float* B, int64_t ldb, floa
     for (int c = 0; c < NC; ++c) vstore<F32>(C + r * ldc + c * W, acc[r][c]);
 }
 
-template <int R, bool ACC>
-inline void micro_cols(int nc, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
-                       int64_t K) {
+// f(std::integral_constant<int, NC>{}) for nc in 1..5: a micro-kernel's accumulator count is a compile-time constant
+template <class F>
+inline void with_cols(int nc, F&& f) {
   switch (nc) {
-    case 5: micro<R, 5, ACC>(A, lda, B, ldb, C, ldc, K); break;
-    case 4: micro<R, 4, ACC>(A, lda, B, ldb, C, ldc, K); break;
-    case 3: micro<R, 3, ACC>(A, lda, B, ldb, C, ldc, K); break;
-    case 2: micro<R, 2, ACC>(A, lda, B, ldb, C, ldc, K); break;
-    default: micro<R, 1, ACC>(A, lda, B, ldb, C, ldc, K); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// The loop both products share: rows in blocks of 4 (the rest one by one); a row's N / W vectors split evenly over
+// passes of at most COLS (10 vectors of 3 at most: 3, 3, 2, 2, not 3, 3, 3, 1, whose last pass has too few
+// accumulators to hide the FMA latency). tile(rows, nc, i, n0) runs one block, rows a compile-time constant.
+template <int COLS, class Tile>
+inline void blocked(int64_t M, int64_t N, Tile&& tile) {
+  const int64_t vectors = N / W;
+  for (int64_t n0 = 0, done = 0, passes = (vectors + COLS - 1) / COLS; done < vectors; --passes) {
+    const int nc = (int)((vectors - done + passes - 1) / passes);
+    int64_t i = 0;
+    for (; i + 4 <= M; i += 4) tile(std::integral_constant<int, 4>{}, nc, i, n0);
+    for (; i < M; ++i) tile(std::integral_constant<int, 1>{}, nc, i, n0);
+    done += nc;
+    n0 += nc * W;
   }
 }
 #endif
@@ -65,19 +81,13 @@ void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, in
           int64_t K) {
 #ifdef PG_SIMD
   // 4 rows x up to 5 vectors of accumulators on AVX-512 (32 registers: an 80-wide head in one pass), 4 x 3 on
-  // AVX2 (12 of its 16); the vectors of a row split evenly over the passes (10 on AVX2: 3, 3, 2, 2, not 3, 3, 3, 1,
-  // whose last pass has too few accumulators to hide the FMA latency)
-  constexpr int ROWS = 4, COLS = W == 16 ? 5 : 3;
-  const int64_t vectors = N / W;
-  for (int64_t n0 = 0, done = 0, passes = (vectors + COLS - 1) / COLS; done < vectors; --passes) {
-    const int nc = (int)((vectors - done + passes - 1) / passes);
-    int64_t i = 0;
-    for (; i + ROWS <= M; i += ROWS)
-      micro_cols<ROWS, ACC>(nc, A + i * lda, lda, B + n0, ldb, C + i * ldc + n0, ldc, K);
-    for (; i < M; ++i) micro_cols<1, ACC>(nc, A + i * lda, lda, B + n0, ldb, C + i * ldc + n0, ldc, K);
-    done += nc;
-    n0 += nc * W;
-  }
+  // AVX2 (12 of its 16)
+  blocked<W == 16 ? 5 : 3>(M, N, [&](auto rows, int nc, int64_t i, int64_t n0) {
+    with_cols(nc, [&](auto cols) {
+      micro<decltype(rows)::value, decltype(cols)::value, ACC>(A + i * lda, lda, B + n0, ldb, C + i * ldc + n0, ldc,
+                                                                K);
+    });
+  });
 #else
   for (int64_t i = 0; i < M; ++i)
     for (int64_t n = 0; n < N; ++n) {
@@ -112,28 +122,16 @@ inline void micro_dp(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t 
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(C + r * ldc + c * W, acc[r][c]);
 }
 
-template <int R, bool ACC>
-inline void micro_dp_cols(int nc, const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C,
-                          int64_t ldc, int64_t K2) {
-  switch (nc) {
-    case 5: micro_dp<R, 5, ACC>(A, lda, B, ldb, C, ldc, K2); break;
-    case 4: micro_dp<R, 4, ACC>(A, lda, B, ldb, C, ldc, K2); break;
-    case 3: micro_dp<R, 3, ACC>(A, lda, B, ldb, C, ldc, K2); break;
-    case 2: micro_dp<R, 2, ACC>(A, lda, B, ldb, C, ldc, K2); break;
-    default: micro_dp<R, 1, ACC>(A, lda, B, ldb, C, ldc, K2); break;
-  }
-}
-
 // C[M][N] (+)= A B with A [M][K2] and B [K2][N] bf16 pairs (K = 2 K2), N a multiple of 16
 template <bool ACC>
 void gemm_dp(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C, int64_t ldc, int64_t M,
              int64_t N, int64_t K2) {
-  for (int64_t n0 = 0; n0 < N; n0 += 5 * W) {
-    const int nc = (int)std::min<int64_t>(5, (N - n0) / W);
-    int64_t i = 0;
-    for (; i + 4 <= M; i += 4) micro_dp_cols<4, ACC>(nc, A + i * lda, lda, B + n0, ldb, C + i * ldc + n0, ldc, K2);
-    for (; i < M; ++i) micro_dp_cols<1, ACC>(nc, A + i * lda, lda, B + n0, ldb, C + i * ldc + n0, ldc, K2);
-  }
+  blocked<5>(M, N, [&](auto rows, int nc, int64_t i, int64_t n0) {
+    with_cols(nc, [&](auto cols) {
+      micro_dp<decltype(rows)::value, decltype(cols)::value, ACC>(A + i * lda, lda, B + n0, ldb, C + i * ldc + n0,
+                                                                   ldc, K2);
+    });
+  });
 }
 #endif
 
