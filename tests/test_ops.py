@@ -262,6 +262,40 @@ def test_custom_op_path_counts_the_same_way(broken_backend, lenient):
     assert stats.ran == {"torch": 1} and list(stats.fallbacks) == ["broken raised RuntimeError: kernel exploded"]
 
 
+class _FlakyBackend(registry.Backend):
+    """Runs the golden as its kernel until `down` says why it no longer can."""
+
+    name = "flaky"
+    devices = ("cpu",)
+    down = None
+
+    def unavailable_reason(self):
+        return self.down
+
+
+def test_a_bound_call_resolves_again_when_a_backend_stops_being_available(lenient):
+    """A BoundCall keeps the backend resolved for its kind of call; a backend that becomes unavailable (PyPTO after
+    a compile error) says so to the registry, and the next call of that kind falls back with the reason."""
+    flaky = registry.register(_FlakyBackend())
+    op = OPS["rms_norm"]
+    op.impl("flaky")(lambda backend, *args: op.golden(*args))
+    try:
+        stats = ops.Stats()
+        bound = op.bind("flaky", stats, eps=1e-6, cast_mode="hf")
+        x = torch.randn(2, 8)
+        for _ in range(3):
+            bound(x, None)
+        assert stats.ran == {"flaky": 3}
+        flaky.down = "disabled after a kernel compile error in this process"
+        registry.availability_changed()
+        bound(x, None)
+        assert stats.ran == {"flaky": 3, "torch": 1}
+        assert stats.fallbacks == {"flaky: disabled after a kernel compile error in this process": 1}
+    finally:
+        del op.impls["flaky"]
+        del registry.BACKENDS["flaky"]
+
+
 def test_direct_calls_are_charged_to_the_global_counters():
     before = ops.GLOBAL_STATS.ran.get("cpu", 0)
     ops.rms_norm(torch.randn(3, 16), None, backend="cpu")

@@ -293,6 +293,26 @@ def test_rotary_embedding_into_its_inputs_rotates_them_in_place(backend):
     assert torch.equal(v, before[:, 3 * 64:])
 
 
+@pytest.mark.parametrize("layout", ["[T, 1, H, D]", "strided last dim", "[T, H / 2, 2 * D]"])
+def test_rotary_embedding_cpu_writes_any_layout_in_place(layout):
+    """Layouts the kernel cannot read where they are (not [T, H * D] or [T, H, D] with a contiguous last dim) go
+    through a stand-in, and the result still lands in the tensors given."""
+    gen = torch.Generator().manual_seed(3)
+    T, D = 4, 64
+    cache = torch.cat([torch.rand(16, D // 2, generator=gen) * 50] * 2, dim=-1).to(torch.bfloat16)
+    cache[:, D // 2:] = cache[:, D // 2:].float().sin().to(torch.bfloat16)
+    if layout == "strided last dim":
+        q, k = (torch.randn(T, n * 2 * D, generator=gen).to(torch.bfloat16)[:, ::2] for n in (4, 2))
+    else:
+        shape = (lambda n: (T, 1, n, D)) if layout == "[T, 1, H, D]" else (lambda n: (T, n // 2, 2 * D))
+        q, k = (torch.randn(shape(n), generator=gen).to(torch.bfloat16) for n in (4, 2))
+    positions = torch.randint(0, 16, (T,), generator=gen)
+    want = OPS["rotary_embedding"].golden(positions, q.clone(), k.clone(), cache, D, (), "hf")
+    got = OPS["rotary_embedding"].call((positions, q, k, cache, D, [], "hf"), "cpu", None, into=(q, k))
+    assert got[0] is q and got[1] is k
+    assert torch.equal(q, want[0]) and torch.equal(k, want[1])
+
+
 def test_rotary_embedding_refuses_a_position_past_the_cache():
     cache = torch.ones(4, 8)
     with pytest.raises(ValueError, match=r"positions: values 0\.\.4; expected rows of cos_sin_cache, 0\.\.3"):

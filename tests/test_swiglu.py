@@ -83,6 +83,24 @@ def test_the_two_halves_of_a_merged_tensor_are_taken_as_views():
                                                                         backend="torch"))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_silu_and_mul_is_vllms_formula_on_the_merged_tensor(dtype):
+    """vLLM's SiluAndMul.forward_native, F.silu(x[..., :d]) * x[..., d:], bit for bit on torch; the cpu kernel
+    makes the halves itself and agrees with swiglu's kernel on them, also for a strided x."""
+    torch.manual_seed(5)
+    x = (torch.randn(3, 7, 2 * 96) * 3).to(dtype)
+    d = x.shape[-1] // 2
+    assert torch.equal(ops.silu_and_mul(x, backend="torch"), torch.nn.functional.silu(x[..., :d]) * x[..., d:])
+    for merged in (x, x.transpose(0, 1)):
+        assert torch.equal(ops.silu_and_mul(merged, backend="cpu"),
+                           ops.swiglu(merged[..., :d], merged[..., d:], backend="cpu"))
+
+
+def test_silu_and_mul_refuses_an_odd_last_dim_naming_x():
+    with pytest.raises(ValueError, match=r"^x: last dim 5 is odd"):
+        ops.silu_and_mul(torch.ones(2, 5))
+
+
 # ---- swiglu_dynamic_quant: the W8A8 MLP middle ---------------------------------------------------------
 def test_swiglu_dynamic_quant_hand_worked_example():
     """One row, fp32: a = silu(gate) * up = [0, 1.4621, -0.8068, 0.8808]; times smooth [1, 1, 2, 1] the

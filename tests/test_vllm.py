@@ -186,7 +186,7 @@ def test_tensor_parallel_ranks_run_the_sharded_shapes_and_report_together(tmp_pa
                    for p in (tmp_path / "b" / "report").glob("*.json")]
     assert sum(1 for n in per_process if n > 0) == 2  # both ranks ran the provider
     report.merge_cases(tmp_path / "b" / "capture", tmp_path / "tp.json")
-    widths = {c["input"]["gate"]["shape"][-1] for c in json.loads((tmp_path / "tp.json").read_text())["test_cases"]
-              if c["op"] == "swiglu"}
+    widths = {c["input"]["x"]["shape"][-1] for c in json.loads((tmp_path / "tp.json").read_text())["test_cases"]
+              if c["op"] == "silu_and_mul"}
     intermediate = json.loads((family.TINY_DIR / "config.json").read_text())["intermediate_size"]
-    assert widths == {intermediate // 2}, widths
+    assert widths == {intermediate}, widths  # gate and up halves of the rank's shard: 2 * intermediate / 2

@@ -80,10 +80,8 @@ def _op_pairs(case):
     if op == "add_rms_norm":
         return providers.fused_add_rms_norm, ir_ops.fused_add_rms_norm.impls["native"].impl_fn, args[:4]
     with set_current_vllm_config(VllmConfig()):
-        if op == "swiglu":
-            gate = args[0]
-            x = torch.randn(*gate.shape[:-1], 2 * gate.shape[-1], dtype=gate.dtype)
-            return SiluAndMul().forward_cpu, SiluAndMul.forward_native, (x,)
+        if op == "silu_and_mul":
+            return SiluAndMul().forward_cpu, SiluAndMul.forward_native, args[:1]
         if op == "rotary_embedding" and args[0].dim() == 1:  # q and k: views of one qkv projection, as vLLM's
             positions, q, k, cache, head_size = args[:5]
             layer = get_rope(head_size, max_position=cache.shape[0], is_neox_style=True, dtype=q.dtype,

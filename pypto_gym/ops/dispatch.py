@@ -27,7 +27,7 @@ import warnings
 import weakref
 
 from .. import config
-from .registry import AUTO_ORDER, BACKENDS, TORCH, get
+from .registry import AUTO_ORDER, BACKENDS, GENERATION, TORCH, get
 
 RECORDERS: list = []  # active ShapeRecorders: each gets (op, stats, args) of every site call
 _REFERENCE: list = []  # non-empty inside `reference()`: every call runs the golden, charged to nobody
@@ -150,12 +150,25 @@ def call(op, requested: str, stats: Stats, args: tuple, into: tuple | None = Non
     """Resolve, run and count one call of `op` (validated positional `args`). `into`: tensors to write the outputs
     into (the op's in-place form, vLLM's rotary embedding for one): an implementation registered with `into=True`
     writes them itself, any other's results (the golden's too) are copied in; `into` is returned."""
+    return run(op, resolve(op, requested, args), stats, args, into)
+
+
+def plan(op, requested: str, args: tuple) -> tuple:
+    """`resolve`'s answer for calls of this kind, and the registry generation it holds for: a BoundCall keeps it for
+    its calls of one kind (types, dtypes, shapes, devices, scalar values), since `supports` predicates read only
+    those and a backend's availability changes only with the generation (a decode-size call is a few
+    microseconds: resolving each one again was a third of the Python a vLLM provider spent per call)."""
+    return resolve(op, requested, args), GENERATION[0]
+
+
+def run(op, resolved: tuple, stats: Stats, args: tuple, into: tuple | None = None):
+    """One call on the (backend, implementation, fallback reason) `resolve` chose: recorded, run, counted."""
     if _REFERENCE:
         return written(op.golden(*args), into)
     if RECORDERS and stats.site is not None:
         for recorder in RECORDERS:
             recorder.record(op, stats, args)
-    backend, impl, reason = resolve(op, requested, args)
+    backend, impl, reason = resolved
     if reason is not None:
         if _strict(stats):
             raise BackendFallbackError(f"pypto_gym.{op.name}: {reason}; would fall back to torch (strict mode)")

@@ -34,7 +34,9 @@ _is_grad_enabled = torch.is_grad_enabled
 
 @dataclass
 class Impl:
-    """One backend's implementation of one op: `fn(*args)` and a pure `supports(*args) -> reason | None`.
+    """One backend's implementation of one op: `fn(*args)` and a pure `supports(*args) -> reason | None` that reads
+    only the call's kind (tensor dtypes, shapes and devices, scalar values; never strides or data) and the backend:
+    dispatch keeps its answer per kind of call.
     `into`: fn also takes `out=` tensors to write its outputs into (for the op's in-place form: `Op.call`'s
     `into`), and writes nothing before its own checks have passed."""
 
@@ -125,6 +127,7 @@ class Op:
         `supports(backend, *args)` returns why a call is not taken, or None; `into`: fn takes `out=` (Impl)."""
         def register(fn):
             self.impls[backend] = Impl(backend, fn, supports, into)
+            registry.availability_changed()
             return fn
         return register
 
@@ -342,12 +345,13 @@ def _op_named(name: str) -> Op:
 class BoundCall:
     """An op bound to one patch site: its backend, counters and constant arguments (eps, cast mode), validated
     once, as HF kernels decide at kernelize time. A patched module calls it hundreds of times a token with
-    the remaining arguments: a call of the same kind as the last one goes straight to dispatch; any other
-    call takes the op's entry path, with its validation and error messages. The check of "same kind" is
+    the remaining arguments: a call of the same kind as the last one runs on the backend resolved for that
+    kind (still recorded and counted by dispatch.run); any other call takes the op's entry path, with its
+    validation and error messages. The check of "same kind" is
     written out per op and set of bound arguments (`_fast_path`): it is most of what a decode call costs.
     """
 
-    __slots__ = ("op", "backend", "stats", "constants", "_template", "_key", "_fast")
+    __slots__ = ("op", "backend", "stats", "constants", "_template", "_key", "_plan", "_fast")
 
     def __init__(self, op: Op, backend: str, stats, constants: dict):
         unknown = set(constants) - set(op.arg)
@@ -358,6 +362,7 @@ class BoundCall:
         self.op, self.backend, self.stats, self.constants = op, registry.check_name(backend), stats, dict(constants)
         self._template = tuple(constants.get(a.name, a.default) for a in op.args)
         self._key = None
+        self._plan = (None, -1)  # dispatch.plan for calls of kind `_key`: the resolution and its generation
         self._fast = _fast_path(op, tuple(a.name in constants for a in op.args))
 
     def __reduce__(self):
@@ -381,7 +386,7 @@ class BoundCall:
         """A call of another kind than the last: the entry path (validation), remembered if it may go eager."""
         out = self.op.call(args, self.backend, self.stats, into)
         if self.op._last[0] is not None and self.op._last[1]:  # validated and eager: the same kind goes straight on
-            self._key = key
+            self._key, self._plan = key, dispatch.plan(self.op, self.backend, args)
         return out
 
 
@@ -391,7 +396,8 @@ _FAST_PATHS: dict = {}
 def _fast_path(op: Op, bound: tuple):
     """`fast(bound_call, free) -> outputs` for calls of `op` with the arguments flagged in `bound` fixed: the
     kind of call (grad mode; each tensor's type, dtype, shape, device, requires_grad; other values) compared
-    with the last one's, then straight to dispatch or the slow path. Generated once per op and flags."""
+    with the last one's, then straight to the backend dispatch resolved for that kind (while the registry's
+    generation holds), or the slow path. Generated once per op and flags."""
     cache_key = (op.name, bound)
     if cache_key in _FAST_PATHS:
         return _FAST_PATHS[cache_key]
@@ -418,10 +424,11 @@ def _fast_path(op: Op, bound: tuple):
               f"        key = (_grad(), {', '.join(kind)})\n"
               f"    except AttributeError:  # not a tensor where one belongs: the entry path says which\n"
               f"        return b.slow(None, args, into)\n"
-              f"    if key == b._key:\n"
-              f"        return _dispatch(b.op, b.backend, b.stats, args, into)\n"
+              f"    if key == b._key and b._plan[1] == _generation[0]:\n"
+              f"        return _run(b.op, b._plan[0], b.stats, args, into)\n"
               f"    return b.slow(key, args, into)\n")
-    namespace = {"_grad": _is_grad_enabled, "_compiling": _is_compiling, "_dispatch": dispatch.call, "_sig": _sig}
+    namespace = {"_grad": _is_grad_enabled, "_compiling": _is_compiling, "_run": dispatch.run, "_sig": _sig,
+                 "_generation": registry.GENERATION}
     exec(compile(source, f"<pypto_gym bound {op.name}>", "exec"), namespace)  # noqa: S102 - our own text
     _FAST_PATHS[cache_key] = namespace["fast"]
     return namespace["fast"]

@@ -37,10 +37,19 @@ class TorchBackend(Backend):
 BACKENDS: dict[str, Backend] = {}
 AUTO_ORDER = ("npu", "cpu", "torch")  # pypto runs when named: on CPU its SIM mode verifies, it does not speed up
 _default: list = []  # the parsed $PYPTO_GYM_BACKEND, once
+# Bumped whenever what a call could resolve to changes (a backend or an implementation registered, PyPTO disabling
+# itself after a compile error): a call plan resolved before (dispatch.plan, kept by a BoundCall per kind of call)
+# is resolved again.
+GENERATION = [0]
+
+
+def availability_changed() -> None:
+    GENERATION[0] += 1
 
 
 def register(backend: Backend) -> Backend:
     BACKENDS[backend.name] = backend
+    availability_changed()
     return backend
 
 

@@ -8,7 +8,8 @@ proves each against vLLM's own code in its venv):
   rounds the residual once (torch's own add of two 16-bit tensors rounds the same fp32 sum) and normalises the
   *unrounded* fp32 sum, which is what that norm input reads (HF's layer, the op's default, normalises the
   rounded residual).
-- `SiluAndMul` -> `swiglu` on the two halves of x (views, no copy), cast mode `hf`: `F.silu(x[:d]) * x[d:]`.
+- `SiluAndMul` -> `silu_and_mul` (swiglu on the two halves of x, made by the kernel), cast mode `hf`:
+  `F.silu(x[:d]) * x[d:]`.
 - `RotaryEmbedding` -> `rotary_embedding` (vLLM's own form: cos/sin read from its `cos_sin_cache` at each
   token's position), cast mode `fp32`: what vLLM runs on the CPU is its C++ `rotary_embedding`, which computes in
   fp32 and rounds each output once (bit-identical to the op's fp32 mode; its `forward_native`, the arithmetic of
@@ -68,7 +69,8 @@ _bound: dict = {}  # op -> its BoundCall on BACKEND: a provider runs hundreds of
 def bound(name: str, op: str, **constants):
     """`op` bound to this process's backend, the vLLM op's counters and its constant arguments, made once: the
     bound fast path costs about a microsecond where the entry point's costs several. (Each call site passes its
-    constants in one order, so their values key the cache.)"""
+    constants in one order, so their values key the cache; a layer keeps its own at construction, which saves
+    building the key per call.)"""
     key = (name, op, BACKEND, *constants.values())
     if key not in _bound:
         _bound[key] = ops.OPS[op].bind(BACKEND, COUNTERS.stats[name], **constants)
@@ -146,13 +148,17 @@ def _silu_and_mul_class():
     from vllm.model_executor.layers.activation import SiluAndMul
 
     class PyptoGymSiluAndMul(SiluAndMul):
-        """silu(x[..., :d]) * x[..., d:] by pypto-gym's swiglu on the two halves (views of x)."""
+        """silu(x[..., :d]) * x[..., d:] by pypto-gym's silu_and_mul."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.__dict__["_pypto_gym"] = bound("SiluAndMul", "silu_and_mul", cast_mode="hf")  # not a submodule
 
         def forward_cpu(self, x):
-            return self._fused(x) if self._takes(x) else super().forward_cpu(x)
+            return self._pypto_gym(x) if self._takes(x) else super().forward_cpu(x)
 
         def forward_oot(self, x):
-            return self._fused(x) if self._takes(x) else super().forward_oot(x)
+            return self._pypto_gym(x) if self._takes(x) else super().forward_oot(x)
 
         @staticmethod
         def _takes(x) -> bool:
@@ -163,32 +169,36 @@ def _silu_and_mul_class():
                 COUNTERS.decline("SiluAndMul", reason)
             return reason is None
 
-        @staticmethod
-        def _fused(x):
-            d = x.shape[-1] // 2
-            return bound("SiluAndMul", "swiglu", cast_mode="hf")(x[..., :d], x[..., d:])
-
     return PyptoGymSiluAndMul
 
 
-def _rope_reason(layer, query, key, positions) -> str | None:
+def _layer_reason(layer) -> str | None:
+    """Why pypto-gym's rotary op cannot take any call of this layer (its own constants), else None."""
     if not layer.is_neox_style:
         return "GPT-J interleaved rotation: not a layout pypto-gym's rotary ops have (half rotation only)"
-    if key is None:
-        return "no key (cross-layer KV sharing)"
-    if query.dtype not in _FLOATS or key.dtype != query.dtype:
-        return f"query {query.dtype} / key {key.dtype}"
     if layer.rotary_dim % 2:
         return f"odd rotary_dim {layer.rotary_dim}"
     return None
 
 
-def _rotate_in_place(layer, positions, query, key, op_name, cast_mode, section=()):
-    """q and k rotated by `rotary_embedding` in `cast_mode` from the layer's cache (in the query's dtype, as vLLM
-    matches it), written over query and key as vLLM's CPU kernel does."""
-    cache = layer._match_cos_sin_cache_dtype(query)
-    return bound(op_name, "rotary_embedding", head_size=layer.head_size, mrope_section=tuple(section),
-                 cast_mode=cast_mode).into((query, key), positions, query, key, cache)
+def _call_reason(query, key) -> str | None:
+    """Why it cannot take this call's q and k."""
+    if key is None:
+        return "no key (cross-layer KV sharing)"
+    if query.dtype not in _FLOATS or key.dtype != query.dtype:
+        return f"query {query.dtype} / key {key.dtype}"
+    return None
+
+
+def _rotate_in_place(layer, call, positions, query, key):
+    """q and k rotated by the layer's bound `rotary_embedding` from its cache (in the query's dtype, as vLLM
+    matches it), written over query and key as vLLM's CPU kernel does. The cache buffer is read from the
+    layer's buffers directly when it already matches (vLLM's `_match_cos_sin_cache_dtype` returns it as is
+    then, at 1.5 µs a call, through nn.Module's attribute lookup twice); vLLM's method converts it otherwise."""
+    cache = layer._buffers["cos_sin_cache"]
+    if cache.dtype != query.dtype or cache.device != query.device:
+        cache = layer._match_cos_sin_cache_dtype(query)
+    return call.into((query, key), positions, query, key, cache)
 
 
 def _rotary_class():
@@ -198,6 +208,11 @@ def _rotary_class():
         """vLLM's rotary embedding by pypto-gym's rotary_embedding in fp32 mode (vLLM's CPU op's arithmetic): q
         and k in one call, in place."""
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.__dict__["_pypto_gym"] = (_layer_reason(self), bound(
+                "RotaryEmbedding", "rotary_embedding", head_size=self.head_size, mrope_section=(), cast_mode="fp32"))
+
         def forward_cpu(self, positions, query, key=None):
             return self._run(positions, query, key, super().forward_cpu)
 
@@ -205,9 +220,11 @@ def _rotary_class():
             return self._run(positions, query, key, super().forward_oot)
 
         def _run(self, positions, query, key, native):
-            reason = _rope_reason(self, query, key, positions)
+            reason, call = self._pypto_gym
+            reason = reason or _call_reason(query, key)
             if reason is None:
-                return _rotate_in_place(self, positions.flatten(), query, key, "RotaryEmbedding", "fp32")
+                flat = positions if positions.ndim == 1 else positions.flatten()  # flatten() costs 0.8 us
+                return _rotate_in_place(self, call, flat, query, key)
             COUNTERS.decline("RotaryEmbedding", reason)
             return native(positions, query, key)
 
@@ -220,6 +237,14 @@ def _mrotary_class():
     class PyptoGymMRotaryEmbedding(MRotaryEmbedding):
         """Qwen2.5-VL's multimodal rotary embedding by pypto-gym's rope with its mrope sections."""
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            constants = {"head_size": self.head_size, "cast_mode": "hf"}
+            self.__dict__["_pypto_gym"] = (_layer_reason(self), {  # text positions [T] or multimodal [3, T]
+                1: bound("MRotaryEmbedding", "rotary_embedding", mrope_section=(), **constants),
+                2: bound("MRotaryEmbedding", "rotary_embedding", mrope_section=tuple(self.mrope_section or ()),
+                         **constants)})
+
         def forward_cpu(self, positions, query, key=None, offsets=None):
             return self._run(positions, query, key, offsets, super().forward_cpu)
 
@@ -227,14 +252,14 @@ def _mrotary_class():
             return self._run(positions, query, key, offsets, super().forward_oot)
 
         def _run(self, positions, query, key, offsets, native):
-            reason = _rope_reason(self, query, key, positions)
+            reason, calls = self._pypto_gym
+            reason = reason or _call_reason(query, key)
             if reason is None and offsets is not None:
                 reason = "per-token position offsets"
-            if reason is None and positions.ndim == 2 and self.mrope_interleaved:
-                reason = "interleaved mrope sections"
+            if reason is None and positions.ndim == 2 and (self.mrope_interleaved or not self.mrope_section):
+                reason = "interleaved mrope sections" if self.mrope_section else "[3, T] positions without sections"
             if reason is None:
-                section = self.mrope_section if positions.ndim == 2 else ()
-                return _rotate_in_place(self, positions, query, key, "MRotaryEmbedding", "hf", section)
+                return _rotate_in_place(self, calls[positions.ndim], positions, query, key)
             COUNTERS.decline("MRotaryEmbedding", reason)
             return native(positions, query, key, offsets)
 

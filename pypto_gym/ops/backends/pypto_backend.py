@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ... import files
+from .. import registry
 from ..registry import Backend, register
 
 UB_BYTES = 192 * 1024  # Ascend 910B unified buffer per vector core
@@ -185,6 +186,7 @@ class PyptoBackend(Backend):
                 kernel(*args)
         except Exception as e:
             self._poisoned = f"disabled after a kernel compile error in this process ({type(e).__name__})"
+            registry.availability_changed()
             raise
         run = pypto_compat.latest_run_dir(scratch)
         if run is None:

@@ -14,16 +14,21 @@
 
 namespace {
 
-// y = x*c + rotate_half(x)*s over the first E columns, the rest copied; X: x's dtype, O: y's.
-template <class X, class O, bool HF>
-void rotate_head(const typename X::T* x, const float* c, const float* s, typename O::T* y, int64_t E, int64_t D) {
+// y = x*c + rotate_half(x)*s over the first E columns, the rest copied; X: x's dtype, O: y's. HALF: c and s are
+// given for the first half only, the second half's being the same (vLLM's half-width cache: loaded once, one
+// buffer half the size; for a head of 32 this was a fifth of the time).
+template <class X, class O, bool HF, bool HALF = false>
+__attribute__((always_inline)) inline void rotate_head(const typename X::T* x, const float* c, const float* s,
+                                                       typename O::T* y, int64_t E, int64_t D) {
   const int64_t h = E / 2;
+  const float *c2 = HALF ? c : c + h, *s2 = HALF ? s : s + h;
   int64_t j = 0;
 #ifdef PG_SIMD
   for (; j + W <= h; j += W) {
     const V x1 = vload<X>(x + j), x2 = vload<X>(x + h + j);
-    V a = vmul(x1, vgamma(c + j)), b = vmul(x2, vgamma(s + j));
-    V a2 = vmul(x2, vgamma(c + h + j)), b2 = vmul(x1, vgamma(s + h + j));
+    const V cj = vgamma(c + j), sj = vgamma(s + j);
+    V a = vmul(x1, cj), b = vmul(x2, sj);
+    V a2 = vmul(x2, HALF ? cj : vgamma(c2 + j)), b2 = vmul(x1, HALF ? sj : vgamma(s2 + j));
     if (HF) {
       a = vround<O>(a), b = vround<O>(b), a2 = vround<O>(a2), b2 = vround<O>(b2);
     }
@@ -33,7 +38,7 @@ void rotate_head(const typename X::T* x, const float* c, const float* s, typenam
 #endif
   for (; j < h; ++j) {
     const float x1 = X::load(x[j]), x2 = X::load(x[h + j]);
-    float a = x1 * c[j], b = x2 * s[j], a2 = x2 * c[h + j], b2 = x1 * s[h + j];
+    float a = x1 * c[j], b = x2 * s[j], a2 = x2 * c2[j], b2 = x1 * s2[j];
     if (HF) {
       a = round_to<O>(a), b = round_to<O>(b), a2 = round_to<O>(a2), b2 = round_to<O>(b2);
     }
@@ -172,17 +177,24 @@ std::tuple<at::Tensor, at::Tensor> rope_entry(const at::Tensor& q, const at::Ten
 
 // rotary_embedding (vLLM's form): each token's cos and sin read from the [M, E] cache (cos half | sin half) at its
 // position (MRoPE: column chunk c of the half from positions' row c), rounded to the query dtype in hf mode (vLLM's
-// cos.to(x.dtype)), widened to the full rotary width rotate_head reads; then every head of q and k rotated. q, k
-// and the outputs are [T, H * D] or [T, H, D] with any token (and head) stride, D contiguous (vLLM's views of its
-// qkv projection); an output may be its input itself: rotate_head reads both halves of a block before writing
-// them (in place, as vLLM's kernel).
+// cos.to(x.dtype)), kept half-width (both halves of a head rotate with the same angles); then every head of q and k rotated. q, k
+// and the outputs are read and written where they are when [T, H * D] or [T, H, D] with any token (and head)
+// stride and D contiguous (vLLM's views of its qkv projection), through a contiguous stand-in otherwise; an output
+// may be its input itself: rotate_head reads both halves of a block before writing them (in place, as vLLM's
+// kernel). The layouts are sorted out here rather than in Python: at one decode token that Python was a third of
+// the call.
+bool token_heads_fit(const at::Tensor& t, int64_t D) {
+  return (t.dim() == 2 || t.dim() == 3) && t.stride(-1) == 1 && (t.dim() == 3 ? t.size(2) == D : t.size(1) % D == 0);
+}
+
+at::Tensor token_heads(const at::Tensor& t, int64_t T, int64_t D) {  // t itself, or a contiguous [T, H, D] copy
+  return token_heads_fit(t, D) ? t : t.reshape({T, -1, D}).contiguous();
+}
+
 struct TokenHeads {  // one [T, H, D] or [T, H * D] tensor: where head h of token t starts
   char* base;
   int64_t H, st, sh, itemsize;
   TokenHeads(const at::Tensor& t, int64_t D) : base((char*)t.data_ptr()), itemsize(t.element_size()) {
-    TORCH_CHECK((t.dim() == 2 || t.dim() == 3) && t.stride(-1) == 1 && (t.dim() == 3 ? t.size(2) == D
-                                                                                     : t.size(1) % D == 0),
-                "rotary_embedding: q, k and the outputs as [T, H * D] or [T, H, D] with a contiguous last dim");
     H = t.dim() == 3 ? t.size(1) : t.size(1) / D;
     st = t.stride(0);
     sh = t.dim() == 3 ? t.stride(1) : D;
@@ -191,17 +203,22 @@ struct TokenHeads {  // one [T, H, D] or [T, H * D] tensor: where head h of toke
   T* at(int64_t t, int64_t h) const { return reinterpret_cast<T*>(base + (t * st + h * sh) * itemsize); }
 };
 
-void rotary_embedding_entry(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& cache, int64_t D, const std::vector<int64_t>& sections, int64_t mode,
-                            const at::Tensor& oq, const at::Tensor& ok) {
-  TORCH_CHECK(positions.scalar_type() == at::kLong && (positions.dim() == 1 || positions.dim() == 2) &&
-                  positions.is_contiguous(), "rotary_embedding: positions as contiguous int64 [T] or [planes, T]");
-  TORCH_CHECK(cache.dim() == 2 && cache.is_contiguous(), "rotary_embedding: cos_sin_cache as contiguous [M, E]");
+void rotary_embedding_entry(const at::Tensor& positions_in, const at::Tensor& q_in, const at::Tensor& k_in,
+                            const at::Tensor& cache_in, int64_t D, const std::vector<int64_t>& sections, int64_t mode,
+                            const at::Tensor& oq_out, const at::Tensor& ok_out) {
+  const at::Tensor positions = positions_in.scalar_type() == at::kLong ? positions_in.contiguous()  // no dispatch
+                                                                         : positions_in.to(at::kLong).contiguous();
+  const at::Tensor cache = cache_in.contiguous();
+  TORCH_CHECK(positions.dim() == 1 || positions.dim() == 2, "rotary_embedding: positions as [T] or [planes, T]");
+  TORCH_CHECK(cache.dim() == 2, "rotary_embedding: cos_sin_cache as [M, E]");
   const int64_t T = positions.size(-1), M = cache.size(0), E = cache.size(1), half = E / 2;
-  TORCH_CHECK(q.size(0) == T && k.size(0) == T && E <= D && E % 2 == 0 && oq.sizes() == q.sizes() &&
-                  ok.sizes() == k.sizes() && oq.scalar_type() == q.scalar_type() &&
-                  ok.scalar_type() == q.scalar_type() && k.scalar_type() == q.scalar_type(),
+  TORCH_CHECK(q_in.size(0) == T && k_in.size(0) == T && E <= D && E % 2 == 0 && D > 0 &&
+                  oq_out.sizes() == q_in.sizes() && ok_out.sizes() == k_in.sizes() &&
+                  oq_out.scalar_type() == q_in.scalar_type() && ok_out.scalar_type() == q_in.scalar_type() &&
+                  k_in.scalar_type() == q_in.scalar_type(),
               "rotary_embedding: q, k and the outputs of one dtype and T tokens, E even and <= D");
+  const at::Tensor q = token_heads(q_in, T, D), k = token_heads(k_in, T, D);
+  const at::Tensor oq = token_heads(oq_out, T, D), ok = token_heads(ok_out, T, D);
   const TokenHeads hq(q, D), hk(k, D), hoq(oq, D), hok(ok, D);
   std::vector<int64_t> plane(half, 0);  // the positions row each column of the half reads
   if (!sections.empty()) {
@@ -226,32 +243,36 @@ void rotary_embedding_entry(const at::Tensor& positions, const at::Tensor& q, co
         constexpr bool HF = decltype(hf)::value;
         at::parallel_for(0, T, std::max<int64_t>(1, 32768 / std::max<int64_t>((hq.H + hk.H) * D, 1)),
                          [&](int64_t b, int64_t e) {
-          std::vector<float> buf(2 * E);
-          float *c = buf.data(), *s = c + E;
+          // local copies: a vector store may alias anything (__m512i is may_alias), so values read through the
+          // captured references were reloaded after every store (a third of the time at a head of 32)
+          const TokenHeads q_ = hq, k_ = hk, oq_ = hoq, ok_ = hok;
+          const int64_t E_ = E, D_ = D, half_ = half;
+          const typename C::T* const cp_ = cp;
+          const int64_t* const pos_ = pos;
+          std::vector<float> buf(E_);  // the half-width cos and sin of one token, in fp32
+          float *const c = buf.data(), *const s = c + half_;
           for (int64_t t = b; t < e; ++t) {
             int64_t j = 0;
 #ifdef PG_SIMD
             if (sections.empty()) {  // one row: its halves by vectors (a scalar loop here was a fifth of the time)
-              const typename C::T* row = cp + pos[t] * E;
-              for (; j + W <= half; j += W) {
-                V cj = vload<C>(row + j), sj = vload<C>(row + half + j);
+              const typename C::T* row = cp_ + pos_[t] * E_;
+              for (; j + W <= half_; j += W) {
+                V cj = vload<C>(row + j), sj = vload<C>(row + half_ + j);
                 if (HF) cj = vround<X>(cj), sj = vround<X>(sj);
-                vstore<F32>(c + j, cj), vstore<F32>(c + half + j, cj);
-                vstore<F32>(s + j, sj), vstore<F32>(s + half + j, sj);
+                vstore<F32>(c + j, cj), vstore<F32>(s + j, sj);
               }
             }
 #endif
-            for (; j < half; ++j) {
-              const typename C::T* row = cp + pos[plane[j] * T + t] * E;
-              float cj = C::load(row[j]), sj = C::load(row[half + j]);
+            for (; j < half_; ++j) {
+              const typename C::T* row = cp_ + pos_[plane[j] * T + t] * E_;
+              float cj = C::load(row[j]), sj = C::load(row[half_ + j]);
               if (HF) cj = round_to<X>(cj), sj = round_to<X>(sj);
-              c[j] = c[half + j] = cj;
-              s[j] = s[half + j] = sj;
+              c[j] = cj, s[j] = sj;
             }
-            for (int64_t h = 0; h < hq.H; ++h)
-              rotate_head<X, X, HF>(hq.at<const T_>(t, h), c, s, hoq.at<T_>(t, h), E, D);
-            for (int64_t h = 0; h < hk.H; ++h)
-              rotate_head<X, X, HF>(hk.at<const T_>(t, h), c, s, hok.at<T_>(t, h), E, D);
+            for (int64_t h = 0; h < q_.H; ++h)
+              rotate_head<X, X, HF, true>(q_.at<const T_>(t, h), c, s, oq_.at<T_>(t, h), E_, D_);
+            for (int64_t h = 0; h < k_.H; ++h)
+              rotate_head<X, X, HF, true>(k_.at<const T_>(t, h), c, s, ok_.at<T_>(t, h), E_, D_);
           }
         });
       };
@@ -261,6 +282,8 @@ void rotary_embedding_entry(const at::Tensor& positions, const at::Tensor& q, co
         run(std::false_type{});
     });
   });
+  for (const auto& [o, w] : {std::pair{oq_out, oq}, std::pair{ok_out, ok}})
+    if (!w.is_same(o) && !w.is_alias_of(o)) o.copy_(w.reshape(o.sizes()));  // a stand-in's result where it belongs
 }
 
 // One head vector normalised into fp32 n: hf rounds x*r and then the weight's product to x's dtype (HF's

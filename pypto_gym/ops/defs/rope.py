@@ -808,14 +808,6 @@ def _(backend, q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps, 
 
 
 # ---- rotary_embedding's backends: cpu in place from the cache, npu_mrope, the rope kernel on pypto ---------------
-def _token_heads(x, T, head_size):
-    """x as the kernel reads it: [T, heads * head_size] or [T, heads, head_size] with a contiguous last dim as it is
-    (vLLM's q and k are row views of its qkv projection), anything else as a contiguous [T, heads, head_size]."""
-    if x.dim() in (2, 3) and x.stride(-1) == 1 and (x.dim() == 2 or x.shape[2] == head_size):
-        return x
-    return x.reshape(T, -1, head_size).contiguous()
-
-
 def _cache_supported(backend, positions, query, key, cache, *rest):
     return _angles_supported(cache)
 
@@ -823,18 +815,12 @@ def _cache_supported(backend, positions, query, key, cache, *rest):
 @ROTARY_EMBEDDING.impl("cpu", supports=_cache_supported, into=True)
 def _(backend, positions, query, key, cos_sin_cache, head_size, mrope_section, cast_mode, out=None):
     """rope.cpp's rotary_embedding: each token's cos/sin row read from the cache at its position(s), every head of
-    q and k rotated with it; written over `out` (the inputs themselves for vLLM: in place) or new tensors."""
-    T = positions.shape[-1]
+    q and k rotated with it; written over `out` (the inputs themselves for vLLM: in place) or new tensors. The
+    kernel reads vLLM's [T, H * D] row views where they are and copies any other layout itself."""
     oq, ok = out if out is not None else (torch.empty(query.shape, dtype=query.dtype),
                                           torch.empty(key.shape, dtype=key.dtype))
-    writes = [_token_heads(o, T, head_size) for o in (oq, ok)]  # a stand-in where the kernel cannot write o itself
-    if positions.dtype != torch.int64 or not positions.is_contiguous():
-        positions = positions.to(torch.int64).contiguous()
-    backend.ext.rotary_embedding(positions, _token_heads(query, T, head_size), _token_heads(key, T, head_size),
-                                 cos_sin_cache.contiguous(), head_size, list(mrope_section), MODES[cast_mode], *writes)
-    for o, w in zip((oq, ok), writes):
-        if w is not o:
-            o.copy_(w.reshape(o.shape))
+    backend.ext.rotary_embedding(positions, query, key, cos_sin_cache, head_size, mrope_section, MODES[cast_mode],
+                                 oq, ok)
     return oq, ok
 
 

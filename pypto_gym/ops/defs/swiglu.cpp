@@ -1,4 +1,4 @@
-// swiglu (defs/swiglu.py): y = silu(gate) * up in one pass over both inputs, no intermediate tensor.
+// swiglu and silu_and_mul (defs/swiglu.py): y = silu(gate) * up in one pass over both inputs, no intermediate tensor.
 // hf mode rounds silu's result to the input dtype before the multiply (as HF's `act_fn(gate) * up` does),
 // fp32 mode rounds once. silu's exp is a polynomial (common.h): within an ulp or two of torch's fp32
 // exp, so bf16/fp16 outputs are within 1 ulp of the golden.
@@ -54,6 +54,17 @@ at::Tensor swiglu_entry(const at::Tensor& gate_in, const at::Tensor& up_in, int6
   return y;
 }
 
+// silu_and_mul: the halves of one merged [..., 2I] tensor, made here (a view each) rather than by the caller: two
+// Python slices cost more than a small model's whole activation.
+at::Tensor silu_and_mul_entry(const at::Tensor& x, int64_t mode) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "silu_and_mul: x's last dim must be even");
+  const int64_t I = x.size(-1) / 2;
+  return swiglu_entry(x.narrow(-1, 0, I), x.narrow(-1, I, I), mode);
+}
+
 }  // namespace
 
-PG_KERNELS(swiglu) { m.def("swiglu", &swiglu_entry, "swiglu(gate, up, mode) -> silu(gate) * up"); }
+PG_KERNELS(swiglu) {
+  m.def("swiglu", &swiglu_entry, "swiglu(gate, up, mode) -> silu(gate) * up");
+  m.def("silu_and_mul", &silu_and_mul_entry, "silu_and_mul(x, mode) -> silu(x[..., :I]) * x[..., I:]");
+}

@@ -1,4 +1,5 @@
-"""swiglu (SPEC 10): y = silu(gate) * up, the middle of every SwiGLU MLP (down_proj(act(gate_proj(x)) * up_proj(x))).
+"""swiglu (SPEC 10): y = silu(gate) * up, the middle of every SwiGLU MLP (down_proj(act(gate_proj(x)) * up_proj(x))),
+and silu_and_mul, the same on the two halves of one merged tensor.
 
 - `hf` (default): rounds exactly as HF eager does, `F.silu(gate) * up`: silu's result rounded to the
   input dtype, then the product rounded. Bit-identical to HF on the `torch` backend, and to vLLM's
@@ -9,11 +10,16 @@ gate and up are two tensors of one shape [..., I], not one merged [..., 2I]: tha
 produce (separate gate_proj and up_proj), so no backend needs a copy to call it; the two halves of a
 merged gate_up GEMM are two views, which the kernels take as they are (and the npu mapping passes to
 npu_swiglu as the one tensor they view, gate first: vLLM's and npu_swiglu's order).
+
+`silu_and_mul(x)` = swiglu(x[..., :I], x[..., I:]) for x [..., 2I]: the form vLLM's `SiluAndMul` and torch_npu's
+`npu_swiglu` take, for a caller that holds the merged gate_up output. It is an op of its own, not swiglu with one
+argument, because making the two views is the caller's cost otherwise: in vLLM's plugin two Python slices took
+2.5 µs, more than a toy model's whole activation; the kernel makes them in C++.
 """
 import torch
 import torch.nn.functional as F
 
-from ..args import FLOAT_DTYPES, Choice, Output, Tensor
+from ..args import FLOAT_DTYPES, ArgValueError, Choice, Output, Tensor
 from ..backends.pypto_backend import Tiles, UB_BYTES, rows
 from ..op import Backward, BenchSpec, Op
 
@@ -152,3 +158,45 @@ def _(backend, gate, up, cast_mode):
                        [int(cast_mode == "hf")], tiles=swiglu_tiles(gate.numel() // I, I))
     return y
 
+
+
+# ---- silu_and_mul: the merged form ---------------------------------------------------------------------------
+def silu_and_mul(x, cast_mode="hf"):
+    """silu(x[..., :I]) * x[..., I:] for x [..., 2I] (vLLM's SiluAndMul, torch_npu's npu_swiglu); cast modes as
+    swiglu's."""
+    gate, up = x.chunk(2, dim=-1)
+    return swiglu(gate, up, cast_mode)
+
+
+def _even(ctx, x, cast_mode):
+    if x.shape[-1] % 2:
+        raise ArgValueError("x", f"last dim {x.shape[-1]} is odd; expected [..., 2I]: gate and up halves")
+
+
+def _merged_grads(saved, grads):
+    gate, up = saved["x"].chunk(2, dim=-1)
+    got = _grads({"gate": gate, "up": up}, grads)
+    return {"x": torch.cat((got["gate"], got["up"]), dim=-1)}
+
+
+SILU_AND_MUL = Op(silu_and_mul, [
+    Tensor("x", "*R I"),
+    Choice("cast_mode", CAST_MODES, default="hf", kw_only=True),
+], [Output("y")], check=_even, min_dims={"I": 2}, backward=Backward(("x",), _merged_grads),
+    examples=({"R": (2, 5), "I": 128}, {"R": (1,), "I": 512}, {"R": (3,), "I": 2 * 3420, "cast_mode": "fp32"},
+              {"R": (7,), "I": 66, "dtype": torch.float16}, {"R": (4,), "I": 80, "dtype": torch.float32}))
+
+
+@SILU_AND_MUL.impl("cpu")
+def _(backend, x, cast_mode):
+    return backend.ext.silu_and_mul(x, MODES[cast_mode])
+
+
+@SILU_AND_MUL.impl("npu", supports=lambda backend, x, cast_mode: _npu_supports(backend, x, x, cast_mode))
+def _(backend, x, cast_mode):
+    return backend.torch_npu().npu_swiglu(x, dim=-1)
+
+
+@SILU_AND_MUL.impl("pypto", supports=lambda backend, x, cast_mode: _pypto_supports(backend, x.chunk(2, dim=-1)[0]))
+def _(backend, x, cast_mode):
+    return SWIGLU.impls["pypto"].fn(backend, *x.chunk(2, dim=-1), cast_mode)
