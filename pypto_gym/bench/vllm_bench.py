@@ -126,7 +126,8 @@ def run(layers: int = 2, dtype: str = "bfloat16", quick: bool = False, rounds: i
         models, cases = {}, []
         for name, path in targets.items():
             sides = {"off": [], "on": []}
-            for side in ("off", "on", "off", "on"):  # timed without the shape capture, which costs per call
+            for side in ("off", "on") * 3:  # timed without the shape capture, which costs per call; three engines a
+                # side, interleaved: one engine's figures differ from the next's by a few per cent
                 sides[side].append(_throughput(path, dtype, side == "on", None))
             _throughput(path, dtype, True, tmp / f"capture_{name}")  # the shapes vLLM's scheduler gives the providers
             best = {side: {k: max(r[k] for r in runs) for k in runs[0]} for side, runs in sides.items()}
