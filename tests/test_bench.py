@@ -107,3 +107,21 @@ def test_bench_refuses_bad_arguments(capsys):
     assert exit_.value.code == 2 and "--repeats: got 0; expected an integer >= 1" in capsys.readouterr().err
     assert main(["bench", "w8a8", "--llmcompressor", "/no/such/python"]) == 2
     assert "--llmcompressor: no python at /no/such/python" in capsys.readouterr().err
+
+
+def test_bench_layer_gemm_roofline_worked_example():
+    """The stated roofline by hand: a decode token reads each weight once (q_proj: 2048 x 2048 bf16 at 1.6 TB/s is
+    5.24 us, the token's 2 x 2048 values on top), a 512-token prefill's MLP GEMMs are compute-bound at the cube peak
+    (gate_proj: 2 x 512 x 2048 x 11008 FLOPs at 376 TFLOPS is 61.4 us)."""
+    from pypto_gym.bench.pypto_layer import gemm_roofline
+
+    decode = {r["gemm"]: r for r in gemm_roofline("decode", 1)["rows"]}
+    assert decode["q_proj"]["weight_floor_us"] == pytest.approx(2 * 2048 * 2048 / 1.6e12 * 1e6)
+    assert decode["q_proj"]["us"] == pytest.approx((2 * 2048 * 2048 + 2 * 2 * 2048) / 1.6e12 * 1e6)
+    assert decode["q_proj"]["bound"] == "memory"
+    prefill = {r["gemm"]: r for r in gemm_roofline("prefill", 512)["rows"]}
+    assert prefill["gate_proj"]["us"] == pytest.approx(2 * 512 * 2048 * 11008 / 376e12 * 1e6)
+    assert prefill["gate_proj"]["bound"] == "compute"
+    vision = gemm_roofline("vision", 3744)
+    assert vision["kernels"] == 5 and vision["weight_floor_us"] == pytest.approx(
+        2 * 1280 * (3840 + 1280 + 3 * 3420) / 1.6e12 * 1e6)

@@ -369,6 +369,7 @@ def test_bench_pypto_and_bench_layer_run_and_write_their_json(tmp_path):
     assert len(parts) == 3
     for part in parts.values():
         assert part["totals"]["hf_kernels"] > 5 * part["totals"]["fused_kernels"] == 25
+        assert part["gemms"]["kernels"] in (5, 7) and part["gemms"]["us"] >= part["gemms"]["weight_floor_us"] > 0
 
 
 def test_each_call_that_compiles_says_so_on_stderr(capfd):

@@ -5,7 +5,7 @@ layer and one vision block, every non-GEMM kernel HF eager launches against pypt
 (each op's definition says, in its BenchSpec: RMSNorm's eight, swiglu's silu and mul, the rotary function's
 five per tensor, the vision function's casts), each as the PyPTO kernel it would be (pypto_kernels.py).
 `bench pypto` sums their estimates per captured case; `bench layer` adds the residual adds and counts launches per layer and per
-forward. PyPTO's estimates are AICore time: the launch of each kernel is not in them, so totals are also
+forward, and puts the layer's GEMMs beside them on a stated roofline (the same launches either way). PyPTO's estimates are AICore time: the launch of each kernel is not in them, so totals are also
 given with a stated per-launch cost.
 """
 from __future__ import annotations
@@ -22,6 +22,15 @@ from .timing import header, write_json
 # mhc_post performance table is 21 us, aclnnMul's 80 us).
 LAUNCH_US = (5.0, 20.0)
 TEXT_LAYERS, VISION_BLOCKS = 36, 32  # GutenOCR-3B (modeling/gutenocr_3b/config.json)
+# The GEMMs are a stated roofline, not a PyPTO estimate (this project has no pypto.matmul kernel yet): a GEMM
+# takes max(FLOPs / the cube peak, bytes moved / HBM bandwidth) at these quoted Ascend 910B2 figures.
+CUBE_TFLOPS = 376.0  # fp16/bf16 cube peak quoted for the 910B2 (a stated figure, not measured)
+HBM_TBPS = 1.6  # HBM bandwidth, TB/s
+# (label, K, N) of each linear HF launches per layer / block, bf16 weights [N, K]; HF's MLPs run gate and up apart
+GEMMS = {"text": [("q_proj", 2048, 2048), ("k_proj", 2048, 256), ("v_proj", 2048, 256), ("o_proj", 2048, 2048),
+                  ("gate_proj", 2048, 11008), ("up_proj", 2048, 11008), ("down_proj", 11008, 2048)],
+         "vision": [("qkv", 1280, 3840), ("proj", 1280, 1280), ("gate_proj", 1280, 3420), ("up_proj", 1280, 3420),
+                    ("down_proj", 3420, 1280)]}
 
 
 def hf_kernels(op: str, args) -> list:
@@ -46,6 +55,21 @@ def fused_us(op: str, args) -> float:
     if stats.fallbacks:
         raise RuntimeError(f"{op} fell back: {next(iter(stats.fallbacks))}")
     return registry.get("pypto").last_run.estimated_us
+
+
+def gemm_roofline(phase: str, M: int) -> dict:
+    """The layer's GEMMs at M tokens on the stated roofline: per GEMM its µs (the larger of compute at the cube peak
+    and bf16 bytes at HBM bandwidth) and the floor of reading its weight once; the same launches with or without
+    pypto-gym's fusion (it fuses what lies between them)."""
+    rows = []
+    for label, K, N in GEMMS["vision" if phase == "vision" else "text"]:
+        compute_us = 2 * M * K * N / (CUBE_TFLOPS * 1e12) * 1e6
+        memory_us = 2 * (M * K + K * N + M * N) / (HBM_TBPS * 1e12) * 1e6
+        rows.append({"gemm": label, "M": M, "K": K, "N": N, "us": max(compute_us, memory_us),
+                     "bound": "compute" if compute_us >= memory_us else "memory",
+                     "weight_floor_us": 2 * K * N / (HBM_TBPS * 1e12) * 1e6})
+    return {"rows": rows, "kernels": len(rows), "us": sum(r["us"] for r in rows),
+            "weight_floor_us": sum(r["weight_floor_us"] for r in rows)}
 
 
 # ---- bench layer -------------------------------------------------------------------------------------------
@@ -76,8 +100,11 @@ def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None) -> int:
     print(header("bench layer"))
     print(f"PyPTO SIM, Ascend 910B2 cost model: estimated AICore us per kernel (launch overhead not included; "
           f"totals also with {LAUNCH_US[0]:g}-{LAUNCH_US[1]:g} us per launch, a stated range). GutenOCR-3B: "
-          f"{TEXT_LAYERS} text layers, {VISION_BLOCKS} vision blocks; bf16; transformers 5.x's code.")
-    result = {"bench": "layer", "machine": hardware.capability(), "launch_us_range": list(LAUNCH_US), "parts": {}}
+          f"{TEXT_LAYERS} text layers, {VISION_BLOCKS} vision blocks; bf16; transformers 5.x's code. The GEMMs: a "
+          f"stated roofline (max of {CUBE_TFLOPS:g} TFLOPS cube peak and {HBM_TBPS:g} TB/s HBM), not a PyPTO "
+          f"estimate; attention's own matmuls are in neither.")
+    result = {"bench": "layer", "machine": hardware.capability(), "launch_us_range": list(LAUNCH_US),
+              "gemm_roofline": {"cube_tflops": CUBE_TFLOPS, "hbm_tbps": HBM_TBPS, "stated": True}, "parts": {}}
     for part, phase, tokens, per_forward in (("text layer", "prefill", S, TEXT_LAYERS),
                                              ("text layer", "decode", 1, TEXT_LAYERS),
                                              ("vision block", "vision", vision_tokens, VISION_BLOCKS)):
@@ -101,14 +128,18 @@ def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None) -> int:
         lo, hi = LAUNCH_US
         print(f"{'per ' + part:<28} {tot['hf_kernels']:>10} {tot['hf_us']:>9.1f} {tot['fused_kernels']:>14} kernels "
               f"{tot['fused_us']:>9.1f} {tot['fused_us'] / tot['hf_us']:>5.2f}x")
+        gemms = gemm_roofline(phase, tokens)
+        print(f"{'GEMMs (stated roofline)':<28} {gemms['kernels']:>10} {gemms['us']:>9.1f} {'the same':<14} "
+              f"{gemms['us']:>9.1f}  (" + ", ".join(f"{r['gemm']} {r['us']:.1f} {r['bound']}" for r in gemms["rows"])
+              + f"; weight-read floor {gemms['weight_floor_us']:.1f} us)")
         for label, n in ((f"per {part}", 1), (f"per forward (x{per_forward})", per_forward)):
-            hf_lo, hf_hi = n * (tot["hf_us"] + lo * tot["hf_kernels"]), n * (tot["hf_us"] + hi * tot["hf_kernels"])
-            fu_lo = n * (tot["fused_us"] + lo * tot["fused_kernels"])
-            fu_hi = n * (tot["fused_us"] + hi * tot["fused_kernels"])
-            print(f"  {label}: HF {n * tot['hf_kernels']} launches, {n * tot['hf_us']:.0f} us AICore "
-                  f"({hf_lo:.0f}-{hf_hi:.0f} us with launches); pypto-gym {n * tot['fused_kernels']} launches, "
-                  f"{n * tot['fused_us']:.0f} us ({fu_lo:.0f}-{fu_hi:.0f} us)")
-        result["parts"][title] = {"rows": rows, "totals": tot, "per_forward": per_forward}
+            hf_n, fu_n = n * (tot["hf_kernels"] + gemms["kernels"]), n * (tot["fused_kernels"] + gemms["kernels"])
+            hf_us, fu_us = n * (tot["hf_us"] + gemms["us"]), n * (tot["fused_us"] + gemms["us"])
+            print(f"  {label}, with the GEMMs: HF {hf_n} launches, {hf_us:.0f} us AICore ({hf_us + lo * hf_n:.0f}-"
+                  f"{hf_us + hi * hf_n:.0f} us with launches); pypto-gym {fu_n} launches, {fu_us:.0f} us "
+                  f"({fu_us + lo * fu_n:.0f}-{fu_us + hi * fu_n:.0f} us); weight-read floor "
+                  f"{n * gemms['weight_floor_us']:.0f} us")
+        result["parts"][title] = {"rows": rows, "totals": tot, "per_forward": per_forward, "gemms": gemms}
     if json_path:
         write_json(json_path, result)
         print(f"\nJSON written to {json_path}")
