@@ -4,8 +4,9 @@ layer and one vision block, every non-GEMM kernel HF eager launches against pypt
 `hf_kernels(op, args)` lists, for one call of a fused op, the torch ops HF's code runs for the same result
 (each op's definition says, in its BenchSpec: RMSNorm's eight, swiglu's silu and mul, the rotary function's
 five per tensor, the vision function's casts), each as the PyPTO kernel it would be (pypto_kernels.py).
-`bench pypto` sums their estimates per captured case; `bench layer` adds the residual adds and counts launches per layer and per
-forward, and puts the layer's GEMMs beside them on a stated roofline (the same launches either way). PyPTO's estimates are AICore time: the launch of each kernel is not in them, so totals are also
+`bench pypto` sums their estimates per captured case; `bench layer` adds the residual adds, counts launches per
+layer and per forward, and puts the layer's GEMMs beside them on a stated roofline (the same launches either way).
+PyPTO's estimates are AICore time: the launch of each kernel is not in them, so totals are also
 given with a stated per-launch cost.
 """
 from __future__ import annotations

@@ -81,7 +81,8 @@ def add_parser(sub):
     b.add_argument("--png", help=f"default: {BENCH_OUT}/pypto.png")
     b.set_defaults(func=cmd_bench_pypto)
     b = bench_sub.add_parser("layer", help="one GutenOCR-3B layer and vision block: HF's kernels vs the fused ones "
-                                           "on PyPTO's NPU model, with launch counts and the GEMMs on a stated roofline")
+                                           "on PyPTO's NPU model, with launch counts and the GEMMs on a stated "
+                                           "roofline")
     b.add_argument("--tokens", type=POSITIVE, default=512, help="prefill tokens of the text layer")
     b.add_argument("--vision-tokens", type=POSITIVE, default=3744, help="patches of the vision block (3744: the "
                                                                         "document page)")
