@@ -2,7 +2,8 @@
 
 Every call reaches `call`: the `pypto_gym.ops.*` entry points in eager mode, the
 `torch.ops.pypto_gym.*` custom ops (torch.compile, autograd, fake tensors) from their kernel, and
-so every patched module, whichever of the two paths it takes. The policy:
+so every patched module, whichever of the two paths it takes; a BoundCall's repeat of a kind of call
+goes to `run` with the resolution `plan` gave it (recorded and counted the same way). The policy:
 
 - Capability: the requested backend (or each of `auto`'s candidates) declares whether it takes
   these exact arguments: the op has an implementation there, the tensors are on a device it runs

@@ -178,10 +178,10 @@ std::tuple<at::Tensor, at::Tensor> rope_entry(const at::Tensor& q, const at::Ten
 // rotary_embedding (vLLM's form): each token's cos and sin read from the [M, E] cache (cos half | sin half) at its
 // position (MRoPE: column chunk c of the half from positions' row c), rounded to the query dtype in hf mode (vLLM's
 // cos.to(x.dtype)), kept half-width (both halves of a head rotate with the same angles); then every head of q and
-// k rotated. q, k and the outputs are read and written where they are when [T, H * D] or [T, H, D] with any token (and head)
-// stride and D contiguous (vLLM's views of its qkv projection), through a contiguous stand-in otherwise; an output
-// may be its input itself: rotate_head reads both halves of a block before writing them (in place, as vLLM's
-// kernel). The layouts are sorted out here rather than in Python: at one decode token that Python was a third of
+// k rotated. q, k and the outputs are read and written where they are when [T, H * D] or [T, H, D] with any token
+// (and head) stride and D contiguous (vLLM's views of its qkv projection), through a contiguous stand-in
+// otherwise; an output may be its input itself: rotate_head reads both halves of a block before writing them (in
+// place, as vLLM's kernel). The layouts are sorted out here rather than in Python: at one decode token that Python was a third of
 // the call.
 bool token_heads_fit(const at::Tensor& t, int64_t D) {
   return (t.dim() == 2 || t.dim() == 3) && t.stride(-1) == 1 && (t.dim() == 3 ? t.size(2) == D : t.size(1) % D == 0);
