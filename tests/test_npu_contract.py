@@ -195,6 +195,59 @@ def test_quant_matmul_maps_onto_npu_quant_matmul(npu, out_dtype, shape):
     assert torch_npu_standin.calls[-1] == "npu_quant_matmul"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("offset", [None, torch.tensor([7.0]), torch.tensor([-3], dtype=torch.int8)], ids=str)
+def test_static_quant_ops_map_onto_npu_add_rms_norm_quant_and_npu_quantize(npu, dtype, offset):
+    """msModelSlim's static chain on torch_npu: bit-equal to the golden where the scale is exact in x's dtype (what a
+    checkpoint stores), the offset's sign and the division (div_mode=True) as the golden has them."""
+    gen = torch.Generator().manual_seed(0)
+    x1, x2 = (torch.randn(3, 5, 64, generator=gen).to(dtype) for _ in range(2))
+    gamma, beta = (1 + 0.1 * torch.randn(64, generator=gen)).to(dtype), (0.1 * torch.randn(64, generator=gen)).to(dtype)
+    scale = torch.tensor([0.02734375], dtype=dtype)  # exact in fp16 and bf16
+    for b in (None, beta):
+        y, x_out = npu.add_rms_norm_quant(x1, x2, gamma, scale, offset, b, 1e-6)
+        want_y, want_x = OPS["add_rms_norm_quant"].golden(x1, x2, gamma, scale, offset, b, 1e-6)
+        assert torch.equal(y, want_y) and torch.equal(x_out, want_x) and y.dtype == torch.int8
+        assert torch.equal(npu.rms_norm_quant(x1, gamma, scale, offset, b, 1e-6),
+                           OPS["rms_norm_quant"].golden(x1, gamma, scale, offset, b, 1e-6))
+    assert torch_npu_standin.calls[-1] == "npu_add_rms_norm_quant"
+    assert torch.equal(npu.static_quant(x1 * 3, scale, offset, None),
+                       OPS["static_quant"].golden(x1 * 3, scale, offset))
+    assert torch_npu_standin.calls[-1] == "npu_quantize"
+
+
+def test_static_quant_limits_are_the_documented_ones(npu, monkeypatch):
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    inexact = torch.tensor([0.1])  # fp32 0.1 is not a bf16 value: passing it would round the scale
+    assert "scale float32 is not exact in x's bfloat16" in npu.supports("static_quant", x, inexact, None, None)
+    assert "offset" in npu.supports("static_quant", x, torch.tensor([0.5]), torch.tensor([0.3]), None)
+    assert "float32 not supported" in npu.supports("rms_norm_quant", x.float(), torch.ones(8), torch.tensor([0.5]),
+                                                   None, None, 1e-6)
+    assert npu.supports("static_quant", x, torch.tensor([0.5]), torch.tensor([3], dtype=torch.int8), None) is None
+    assert "no smooth scale" in npu.supports("static_quant", x, torch.tensor([0.5]), None, torch.ones(8))
+    monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend310P3")
+    inference = Npu(NpuBackend(module_name="torch_npu_standin"))
+    assert "A2/A3" in inference.supports("static_quant", x, torch.tensor([0.5]), None, None)
+    assert inference.supports("static_quant", x.half(), torch.tensor([0.5]), None, None) is None
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_quant_matmul_static_maps_onto_npu_quant_matmul_with_an_int32_bias(npu, out_dtype):
+    """The static linear: deq_scale fp32 for bf16 output, through npu_trans_quant_param (int64) for fp16; the int32
+    quant_bias added before dequantisation; bit-equal to the golden."""
+    gen = torch.Generator().manual_seed(1)
+    x_q = torch.randint(-128, 128, (2, 3, 64), generator=gen, dtype=torch.int8)
+    w_q = torch.randint(-128, 128, (24, 64), generator=gen, dtype=torch.int8)
+    deq = torch.rand(24, generator=gen) * 1e-4
+    for bias in (None, torch.randint(-2 ** 20, 2 ** 20, (24,), generator=gen, dtype=torch.int32)):
+        args = (x_q, w_q, deq, bias, out_dtype)
+        assert npu.supports("quant_matmul_static", *args) is None
+        assert torch.equal(npu.quant_matmul_static(*args), OPS["quant_matmul_static"].golden(*args))
+    assert torch_npu_standin.calls[-2:] == (["npu_trans_quant_param", "npu_quant_matmul"]
+                                           if out_dtype == torch.float16 else ["npu_quant_matmul"] * 2)
+    assert "float32" in npu.supports("quant_matmul_static", x_q, w_q, deq, None, torch.float32)
+
+
 def test_quant_matmul_limits_are_the_documented_ones(npu, monkeypatch):
     x_q, w_q = torch.zeros(2, 8, dtype=torch.int8), torch.zeros(4, 8, dtype=torch.int8)
     ones = (torch.ones(2), torch.ones(4))

@@ -238,7 +238,7 @@ def run_accuracy(quick: bool, json_path, png_path, recipe=None, sensitivity: boo
                         calib = Path(tmp) / f"smooth_{alpha}.safetensors"
                         if not calib.exists():
                             scales = calibration.smooth_scales(model, rec.absmax, alpha)
-                            calibration.save(calib, scales, alpha, model.config.model_type, names)
+                            calibration.save(calib, scales, alpha, model.config.model_type, names, rec.ranges(scales))
                     with patched(model, backend="cpu", quant="w8a8", calibration=calib, float_linears=keep) as report:
                         got = _eval_logits(model, processor, eval_inputs)
                         s = report.to_json()["w8a8"]["summary"]

@@ -37,7 +37,7 @@ def run(args) -> int:
             generate(model, processor, [prompt], [image], args.max_new_tokens)
     scales = calibration.smooth_scales(model, rec.absmax, args.alpha)
     inputs = [f"{label} | {prompt}" if label else prompt for prompt, _, label in todo]
-    calibration.save(out, scales, args.alpha, getattr(model.config, "model_type", "?"), inputs)
+    calibration.save(out, scales, args.alpha, getattr(model.config, "model_type", "?"), inputs, rec.ranges(scales))
     spread = [float(s.max() / s.min()) for s in scales.values()]
     linears = sum(isinstance(model.get_submodule(p), torch.nn.Linear) for p in scales)
     mlps = sum(1 for p in scales if hasattr(model.get_submodule(p), "down_proj"))

@@ -102,10 +102,10 @@ def load_int8_checkpoint(args, options, device):
     llm-compressor's): loaded onto the fused kernels as stored, which needs --use_pto --quant w8a8."""
     from ..quant import export
 
-    fmt = export.int8_format(args.model)
-    if options is None or options["quant"] != "w8a8":
-        raise UserError(f"--model: {args.model} is a {fmt} W8A8 checkpoint (int8 weights, no float ones); run it with "
-                        f"--use_pto --quant w8a8")
+    fmt, mode = export.int8_format(args.model), export.quant_mode_of(args.model)
+    if options is None or options["quant"] != mode:
+        raise UserError(f"--model: {args.model} is a {fmt} {'W8A8 static' if mode == 'w8a8_static' else 'W8A8'} "
+                        f"checkpoint (int8 weights, no float ones); run it with --use_pto --quant {mode}")
     for flag, key in (("--calibration", "calibration"), ("--float-linears", "float_linears"),
                       ("--int8-lm-head", "int8_lm_head")):
         if options[key]:
@@ -152,8 +152,9 @@ def add_patch_args(ap):
                                                   "'!glob' excludes (default: $PYPTO_GYM_SITES or all)")
     ap.add_argument("--no-fuse-residual", dest="fuse_residual", action="store_false", default=None,
                     help="patch norms only, no fused residual add (default: $PYPTO_GYM_FUSE_RESIDUAL or on)")
-    ap.add_argument("--quant", choices=["w8a8"], default=None,
-                    help="with --use_pto: int8 weights and activations for the model's linears")
+    ap.add_argument("--quant", choices=["w8a8", "w8a8_static"], default=None,
+                    help="with --use_pto: int8 weights and activations for the model's linears (w8a8: per-token "
+                         "dynamic activation scales; w8a8_static: msModelSlim's W8A8, static scales from --calibration)")
     ap.add_argument("--calibration", default=None,
                     help="with --quant w8a8: smooth scales from `calibrate` (default: no smoothing)")
     ap.add_argument("--float-linears", default=None,

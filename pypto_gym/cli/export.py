@@ -1,6 +1,7 @@
 """`pypto-gym export`: the model patched in W8A8 mode, written as a compressed-tensors or an msModelSlim
 checkpoint (int8 weights + per-channel scales, config, tokenizer/processor, generation config); a
---calibration's smoothing is folded into the weights (quant/fold.py)."""
+--calibration's smoothing is folded into the weights (quant/fold.py). --quant w8a8_static writes msModelSlim's
+W8A8 (static activation scales and offsets, deq_scale, quant_bias), which needs --calibration."""
 from __future__ import annotations
 
 from . import common
@@ -10,6 +11,9 @@ def add_parser(sub):
     p = sub.add_parser("export", help="write the W8A8 model as a compressed-tensors or msModelSlim checkpoint")
     common.add_model_args(p, random_weights=True)
     p.add_argument("--format", choices=["compressed-tensors", "msmodelslim"], default="compressed-tensors")
+    p.add_argument("--quant", choices=["w8a8", "w8a8_static"], default="w8a8",
+                   help="w8a8: per-token dynamic activations (W8A8_DYNAMIC); w8a8_static: msModelSlim's W8A8, static "
+                        "per-tensor activation scales from --calibration (--format msmodelslim)")
     p.add_argument("--calibration", default=None,
                    help="smooth scales from `calibrate`, folded into the checkpoint (default: no smoothing)")
     p.add_argument("--float-linears", default=None,
@@ -33,6 +37,9 @@ def run(args) -> int:
     family = common.model_family(args)
     if args.calibration is not None and not Path(args.calibration).is_file():
         raise common.UserError(f"--calibration: no file at {args.calibration}")
+    if args.quant == "w8a8_static" and (args.calibration is None or args.format != "msmodelslim"):
+        raise common.UserError("--quant w8a8_static: needs --calibration (its activation ranges) and --format "
+                               "msmodelslim (msModelSlim's W8A8 is the static scheme's format)")
     float_linears = common.parse_float_linears(args.float_linears)
     try:
         out = export.check_out_dir(args.out)  # before the model is loaded and quantised, not after
@@ -40,15 +47,17 @@ def run(args) -> int:
         raise common.UserError(f"out: {str(e).removeprefix('export: ')}") from None
     device = resolve_device(getattr(args, "device", None) or "cpu")
     model, processor, _ = common.load_model(args, family, device)
-    report = patch_model(model, backend="cpu", quant="w8a8", calibration=args.calibration,
+    report = patch_model(model, backend="cpu", quant=args.quant, calibration=args.calibration,
                          float_linears=float_linears, int8_lm_head=args.int8_lm_head,
                          release_float_weights=args.release_float_weights)
     wrote = export.save(model, out, processor, args.format)
     s = report.to_json()["w8a8"]["summary"]
     head = ("lm_head float (in the ignore list: what vLLM and vllm-ascend load)" if wrote["lm_head"] == "float" else
             f"lm_head int8 (--int8-lm-head: {export.LM_HEAD_CONSUMERS[args.format]})")
-    print(f"{args.format} checkpoint written to {out}: {len(wrote['int8'])} int8 linears (weight int8 + weight_scale "
-          f"fp32 per output channel), {len(wrote['ignore'])} float ({', '.join(wrote['ignore'][:3])}"
+    kind = ("W8A8 static: weight int8, input_scale/input_offset, deq_scale, quant_bias"
+            if args.quant == "w8a8_static" else "weight int8 + weight_scale fp32 per output channel")
+    print(f"{args.format} checkpoint written to {out}: {len(wrote['int8'])} int8 linears ({kind}), "
+          f"{len(wrote['ignore'])} float ({', '.join(wrote['ignore'][:3])}"
           f"{', ...' if len(wrote['ignore']) > 3 else ''}); {head}; {s['int8_weight_bytes'] / 2 ** 20:.1f} MB of int8 "
           f"weights" + ("; smoothing folded into the weights" if args.calibration else ""))
     return 0

@@ -3,6 +3,10 @@
 Per-row symmetric dynamic quantisation: scale = row_max|n| / qmax, codes = clamp(rint(n / scale)),
 round half to even (torch.round, the hardware's RINT). Weights are quantised per output channel
 with the same rule (a weight's rows are its output channels).
+
+Static per-tensor quantisation (msModelSlim's W8A8, torch_npu's npu_quantize with div_mode=True): one
+scale and one integer offset for the whole tensor, fixed offline: codes = clamp(rint(n / scale + offset)),
+the division and the add in fp32 (in that order: the add can round the fraction before rint does).
 """
 from __future__ import annotations
 
@@ -23,6 +27,16 @@ def quantize_rows(n: torch.Tensor, dst_type: str):
     q = torch.round(n / safe).clamp(qmin, qmax)
     q = torch.where(torch.isnan(q) | (scale == 0), torch.zeros_like(q), q)
     return q.to(torch.int8), scale.squeeze(-1)
+
+
+def quantize_static(n: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    """Static per-tensor int8: clamp(rint(n / f32(scale) + f32(offset)), -128, 127), n in fp32; scale and offset
+    hold one value each. A NaN gives code 0 (int8 has no NaN), an infinity the clamped end."""
+    v = n / scale.reshape(()).to(torch.float32)
+    if offset is not None:
+        v = v + offset.reshape(()).to(torch.float32)
+    q = torch.round(v).clamp(-128.0, 127.0)
+    return torch.where(torch.isnan(q), torch.zeros_like(q), q).to(torch.int8)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -104,8 +104,10 @@ def _float_copies(s: dict) -> str:
 def _w8a8_lines(q: dict) -> list[str]:
     s = q["summary"]
     smoothing = f"smooth scales from {q['calibration']}" if q["smoothing"] else "no smoothing (no calibration file)"
+    scheme = ("static per-tensor activation scales (msModelSlim W8A8)" if q.get("scheme") == "static" else
+              "dynamic per-token activation scales")
     lines = [f"W8A8: {s['int8']}/{s['linears']} linears int8 ({s['quant_norms']} norms and {s['quant_mlps']} MLPs "
-             f"emit int8 rows), {smoothing}; "
+             f"emit int8 rows), {scheme}, {smoothing}; "
              f"int8 rows handed over x{s['handed_over']}, quantised in the linear x{s['quantized_here']}, "
              f"fallbacks={s['fallbacks']}; weights of the int8 linears {s['float_weight_bytes'] / 2 ** 20:.1f} MB "
              f"float -> {s['int8_weight_bytes'] / 2 ** 20:.1f} MB int8 " + _float_copies(s)]

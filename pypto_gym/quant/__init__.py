@@ -8,10 +8,15 @@ way (mlp.py), and the linears no fused op feeds quantise their input themselves.
 which producers and linears; calibration.py makes and checks the smooth scales; fold.py says where
 each scale goes in a checkpoint, which export.py writes (compressed-tensors, msModelSlim) and loads.
 Unpatching restores the float model exactly: the float weights are never modified (unless released).
+`quant="w8a8_static"` is msModelSlim's W8A8: the same producers and linears, static per-tensor activation
+scales and offsets from the calibration file's ranges (plan.py).
 """
+import functools
+
 from ..patching import register_quant_mode
 from .plan import QuantPlan, install
 
 register_quant_mode("w8a8", install)
+register_quant_mode("w8a8_static", functools.partial(install, scheme="static"))
 
 __all__ = ["QuantPlan", "install"]

@@ -3,8 +3,9 @@
 Between a norm and its linears the model's own code (attention, MLP) passes a float tensor around.
 A quant norm returns a `QuantRows`: a tensor of the model dtype and the norm output's shape that
 holds no float data, only the int8 rows and per-row scales (and the smooth scale they stand for
-times). A QuantLinear of the same norm given one (or a slice of whole rows of one: lm_head reads
-the last positions) takes the int8 rows as they are; no dequantised float rows are written.
+times), or, in the static scheme, the int8 rows under one static scale and offset. A QuantLinear
+of the same norm given one (or a slice of whole rows of one: lm_head reads the last positions)
+takes the int8 rows as they are; no dequantised float rows are written.
 
 Anything else that touches a QuantRows goes through `__torch_dispatch__`, which makes the rows
 "escape": the float tensor they stand for (q * scale * s, in the model dtype) is computed once,
@@ -32,16 +33,16 @@ _ALIASES = {_aten.detach.default, _aten.alias.default}
 class _Rows:
     """What every QuantRows view of one norm output shares: the int8 rows, and the float once escaped."""
 
-    __slots__ = ("q", "scale", "smooth", "dtype", "owner", "float")
+    __slots__ = ("q", "scale", "smooth", "dtype", "owner", "float", "offset")
 
-    def __init__(self, q, scale, smooth, dtype, owner):
+    def __init__(self, q, scale, smooth, dtype, owner, offset=None):
         self.q, self.scale, self.smooth, self.dtype, self.owner = q, scale, smooth, dtype, owner
+        self.offset = offset  # static rows: the static offset ([1]), and `scale` the static scale ([1])
         self.float = None  # the dequantised float tensor, once something other than a QuantLinear touched it
 
     def escape(self) -> torch.Tensor:
         if self.float is None:
-            y = self.q.to(torch.float32) * self.scale.unsqueeze(-1)
-            self.float = (y if self.smooth is None else y * self.smooth).to(self.dtype)
+            self.float = dequantize(self.q, self.scale, self.offset, self.smooth, self.dtype)
         return self.float
 
 
@@ -74,7 +75,7 @@ class QuantRows(torch.Tensor):
             return None
         q = self._apply(rows.q)
         scale = rows.scale
-        for func, args in self._view:
+        for func, args in (() if rows.offset is not None else self._view):  # a static scale has no rows to view
             if func is not _aten.detach.default and func is not _aten.alias.default:
                 scale = func(scale, *args)  # row views only: the same view of the per-row scales
         return q, scale
@@ -83,7 +84,7 @@ class QuantRows(torch.Tensor):
         """Independent rows from the same norm (a rewrite's first-call check runs copies of a layer's inputs):
         the int8 rows, scales and any escaped float cloned, the owner and the smooth scale shared."""
         rows = self._rows
-        twin = _Rows(rows.q.clone(), rows.scale.clone(), rows.smooth, rows.dtype, rows.owner)
+        twin = _Rows(rows.q.clone(), rows.scale.clone(), rows.smooth, rows.dtype, rows.owner, rows.offset)
         twin.float = None if rows.float is None else rows.float.clone()
         return QuantRows(twin, self._view)
 
@@ -117,28 +118,29 @@ class TracedRows(torch.Tensor):
     would be lost, and eager's QuantRows would have seen it), never silently dropped."""
 
     @staticmethod
-    def __new__(cls, q, scale, smooth, dtype, owner: int):
+    def __new__(cls, q, scale, smooth, dtype, owner: int, offset=None):
         t = torch.Tensor._make_wrapper_subclass(cls, q.shape, strides=q.stride(), storage_offset=q.storage_offset(),
                                                 dtype=dtype, device=q.device, requires_grad=False)
-        t.q, t.scale, t.smooth, t.owner = q, scale, smooth, owner
+        t.q, t.scale, t.smooth, t.owner, t.offset = q, scale, smooth, owner, offset
         return t
 
-    def __init__(self, q, scale, smooth, dtype, owner: int):
+    def __init__(self, q, scale, smooth, dtype, owner: int, offset=None):
         super().__init__()
 
     def __repr__(self):
         return f"TracedRows({tuple(self.shape)}, {self.dtype})"
 
     def __tensor_flatten__(self):
-        return (["q", "scale"] if self.smooth is None else ["q", "scale", "smooth"]), (self.dtype, self.owner)
+        names = ["q", "scale"] + (["smooth"] if self.smooth is not None else []) + \
+            (["offset"] if self.offset is not None else [])
+        return names, (self.dtype, self.owner)
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        return TracedRows(inner["q"], inner["scale"], inner.get("smooth"), *ctx)
+        return TracedRows(inner["q"], inner["scale"], inner.get("smooth"), *ctx, offset=inner.get("offset"))
 
     def value(self) -> torch.Tensor:
-        y = self.q.to(torch.float32) * self.scale.unsqueeze(-1)
-        return (y if self.smooth is None else y * self.smooth).to(self.dtype)
+        return dequantize(self.q, self.scale, self.offset, self.smooth, self.dtype)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -153,12 +155,23 @@ class TracedRows(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
-def issue(q: torch.Tensor, scale: torch.Tensor, smooth, dtype, owner):
-    """The output of a quant op: int8 rows `q` [..., D], per-row `scale`, standing for q * scale * smooth; a
-    QuantRows eagerly, a TracedRows while torch.compile traces."""
+def dequantize(q, scale, offset, smooth, dtype) -> torch.Tensor:
+    """The float tensor int8 rows stand for, in fp32 then rounded once to `dtype`: q * scale (per row) * smooth, or
+    in the static scheme (q - offset) * scale (one value each) * smooth."""
+    if offset is None:
+        y = q.to(torch.float32) * scale.unsqueeze(-1)
+    else:
+        y = (q.to(torch.float32) - offset.to(torch.float32)) * scale.to(torch.float32)
+    return (y if smooth is None else y * smooth).to(dtype)
+
+
+def issue(q: torch.Tensor, scale: torch.Tensor, smooth, dtype, owner, offset=None):
+    """The output of a quant op: int8 rows `q` [..., D], per-row `scale`, standing for q * scale * smooth (static:
+    one `scale` and `offset`, standing for (q - offset) * scale * smooth); a QuantRows eagerly, a TracedRows while
+    torch.compile traces."""
     if torch.compiler.is_compiling():
-        return TracedRows(q, scale, smooth, dtype, owner.key)
-    return QuantRows(_Rows(q, scale, smooth, dtype, owner))
+        return TracedRows(q, scale, smooth, dtype, owner.key, offset)
+    return QuantRows(_Rows(q, scale, smooth, dtype, owner, offset))
 
 
 def handed_over(x, owner):
@@ -182,17 +195,21 @@ class Producer:
 
     _keys = itertools.count(1)
 
-    def __init__(self, inv_smooth: torch.Tensor | None):
+    def __init__(self, inv_smooth: torch.Tensor | None, static=None):
         self.key = next(Producer._keys)  # what a TracedRows names its producer by (a graph holds no objects)
         self.inv_smooth = inv_smooth
+        self.static = static  # the static scheme: (scale [1], offset [1]) of its rows, in the model dtype
         self.smooth = None if inv_smooth is None else 1.0 / inv_smooth.float()
         self.consumers: list[str] = []
         self.consumer_modules: list[torch.nn.Module] = []
         self.bypassed: dict[str, int] = {}
 
     def row(self) -> dict:
-        return {"int8_to": list(self.consumers), "smoothed": self.inv_smooth is not None,
-                "bypassed": dict(self.bypassed)}
+        row = {"int8_to": list(self.consumers), "smoothed": self.inv_smooth is not None,
+               "bypassed": dict(self.bypassed)}
+        if self.static is not None:
+            row["static"] = {"scale": float(self.static[0]), "offset": float(self.static[1])}
+        return row
 
     def count(self, reason: str) -> None:
         """Count a call that could not hand its rows over (eager calls: a counter changed inside a compiled graph
@@ -202,8 +219,12 @@ class Producer:
 
     def hand_over(self, q, scale, dtype, *hooked_modules) -> torch.Tensor:
         """The rows for the consumers (`issue`), or as the float tensor they stand for where a hand-over could not
-        be exact: with hooks on the producer or a consumer (they see, and may change, a real float tensor)."""
-        y = issue(q, scale, self.smooth, dtype, self)
+        be exact: with hooks on the producer or a consumer (they see, and may change, a real float tensor).
+        Static producers pass scale None: their rows stand under `self.static`."""
+        if self.static is not None:
+            y = issue(q, self.static[0], self.smooth, dtype, self, self.static[1])
+        else:
+            y = issue(q, scale, self.smooth, dtype, self)
         if any(has_hooks(m) for m in (*hooked_modules, *self.consumer_modules)):
             self.count("hooks on the producer or a consumer: float rows handed on")
             return y.value()

@@ -19,6 +19,12 @@ alpha, model type and the inputs used. The same model and inputs give the same b
 every tensor against the model and names the one that is wrong. max|X_j| is collected by
 `Calibrator`'s hooks (at each norm's output, each MLP's down_proj input, each such linear's input)
 while the float model runs.
+
+The static scheme (msModelSlim's W8A8) also needs each source's range: the file holds, per source, the
+per-channel minimum and maximum of its rows (`<path>.act_min`, `<path>.act_max`, fp32 [D], before
+smoothing), from which `static_params` derives the per-tensor scale and offset of the smoothed rows for
+any smooth scale (min_j(min_j / s_j), max_j(max_j / s_j): 1/s is positive). Format 3 files (no ranges) still
+serve the dynamic scheme.
 """
 from __future__ import annotations
 
@@ -27,11 +33,13 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "pypto_gym-smoothquant-3"  # 3: every scale foldable (2 smoothed o_proj per query head, 1 only norms)
+FORMAT = "pypto_gym-smoothquant-4"  # 4: + activation ranges; 3: every scale foldable (2: o_proj per query head)
+FORMATS_WITHOUT_RANGES = ("pypto_gym-smoothquant-3",)  # still read: smooth scales only (the dynamic scheme)
 OLD_FORMATS = {"pypto_gym-smoothquant-1": "format 1 calibrated the norms only",
                "pypto_gym-smoothquant-2": "format 2 gave scales a checkpoint cannot hold (o_proj per query head, "
                                           "the merger's mlp.2)"}
 SUFFIX = ".smooth_scale"
+RANGE_SUFFIXES = (".act_min", ".act_max")
 META_KEY = "pypto_gym"
 FLOOR = 1e-5  # a channel that never fired, or an all-zero weight column, gets s = 1 instead of 0 or inf
 # The widest max/min of one norm's smooth scales a file may hold. Calibrations measured here span at
@@ -49,6 +57,8 @@ class Calibrator:
     def __init__(self, model):
         self.model = model
         self.absmax: dict = {}  # producer path -> per-channel max |activation| (fp32, [D])
+        self.amin: dict = {}  # producer path -> per-channel min activation (fp32, [D]): the static scheme's range
+        self.amax: dict = {}
         self._handles = []
 
     def __enter__(self):
@@ -76,8 +86,16 @@ class Calibrator:
         return False
 
     def _record(self, path, y):
-        m = y.detach().abs().reshape(-1, y.shape[-1]).amax(0).to(torch.float32).cpu()
+        rows = y.detach().reshape(-1, y.shape[-1])
+        lo, hi = rows.amin(0).to(torch.float32).cpu(), rows.amax(0).to(torch.float32).cpu()
+        m = torch.maximum(lo.abs(), hi.abs())
         self.absmax[path] = m if path not in self.absmax else torch.maximum(self.absmax[path], m)
+        self.amin[path] = lo if path not in self.amin else torch.minimum(self.amin[path], lo)
+        self.amax[path] = hi if path not in self.amax else torch.maximum(self.amax[path], hi)
+
+    def ranges(self, paths) -> dict:
+        """{path: (per-channel min, per-channel max)} of the recorded sources among `paths` (what `save` writes)."""
+        return {p: (self.amin[p], self.amax[p]) for p in paths if p in self.amin}
 
 
 def _smooth(absmax: torch.Tensor, weights, alpha: float, fold=None) -> torch.Tensor:
@@ -119,8 +137,25 @@ def smooth_scales(model, absmax: dict, alpha: float) -> dict:
     return out
 
 
-def save(path, scales: dict, alpha: float, model_type: str, inputs: list[str]) -> None:
-    """Write a calibration file (atomically, deterministic bytes)."""
+def static_params(act_min: torch.Tensor, act_max: torch.Tensor, inv_smooth, dtype: torch.dtype):
+    """(scale [1], offset [1]) in `dtype` (what msModelSlim's W8A8 stores as input_scale and input_offset) of a
+    source's rows times `inv_smooth`: asymmetric int8 over [min(lo, 0), max(hi, 0)], scale = (hi - lo) / 255 rounded
+    to `dtype`, offset = rint(-128 - lo / scale) clamped to int8 (so lo maps to -128, 0 to an exact code)."""
+    lo, hi = act_min.to(torch.float32), act_max.to(torch.float32)
+    if inv_smooth is not None:
+        inv = inv_smooth.to(torch.float32).cpu()
+        lo, hi = lo * inv, hi * inv
+    lo, hi = min(float(lo.min()), 0.0), max(float(hi.max()), 0.0)
+    scale = torch.tensor([(hi - lo) / 255.0 if hi > lo else 1.0]).to(dtype)
+    if not float(scale) > 0:  # a range below the dtype's smallest step
+        scale = torch.tensor([torch.finfo(dtype).tiny]).to(dtype)
+    offset = torch.tensor([-128.0 - lo / float(scale)]).round().clamp(-128, 127).to(dtype)
+    return scale, offset
+
+
+def save(path, scales: dict, alpha: float, model_type: str, inputs: list[str], ranges: dict | None = None) -> None:
+    """Write a calibration file (atomically, deterministic bytes): the smooth scales, and `ranges` {path: (min,
+    max)} where given."""
     from safetensors.torch import save
 
     from .. import files
@@ -129,15 +164,19 @@ def save(path, scales: dict, alpha: float, model_type: str, inputs: list[str]) -
             "norms": len(scales)}
     # one metadata key: safetensors writes its metadata map in hash order, which would vary between runs
     metadata = {META_KEY: json.dumps(info, sort_keys=True)}
-    data = save({f"{p}{SUFFIX}": scales[p] for p in sorted(scales)}, metadata=metadata)
+    tensors = {f"{p}{SUFFIX}": scales[p] for p in sorted(scales)}
+    for p, (lo, hi) in (ranges or {}).items():
+        tensors[f"{p}.act_min"], tensors[f"{p}.act_max"] = lo.to(torch.float32).contiguous(), \
+            hi.to(torch.float32).contiguous()
+    data = save(tensors, metadata=metadata)
     files.write_bytes(path, data)
 
 
-def load(path, expected: dict, model_type: str | None = None, known=()) -> tuple[dict, list]:
-    """({producer path: s}, [ignored paths]) from a calibration file, checked against `expected`
-    {producer path: D} (the norms and MLPs being quantised) and the model type. Tensors for `known`
+def load(path, expected: dict, model_type: str | None = None, known=()) -> tuple[dict, list, dict]:
+    """({producer path: s}, [ignored paths], {producer path: (min, max)}) from a calibration file, checked against
+    `expected` {producer path: D} (the norms and MLPs being quantised) and the model type. Tensors for `known`
     producers of the model that are not being quantised (a `sites=` subset) are ignored and listed; a
-    tensor naming a module the model does not have is refused."""
+    tensor naming a module the model does not have is refused. The ranges are {} in a format 3 file."""
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load as load_bytes
 
@@ -155,11 +194,20 @@ def load(path, expected: dict, model_type: str | None = None, known=()) -> tuple
     if model_type is not None and info.get("model_type") != model_type:
         raise ValueError(f"{where}: metadata model_type {info.get('model_type')!r}; this model is {model_type!r} "
                          f"(a file made for another model?)")
-    out, ignored = {}, []
+    out, ignored, bounds = {}, [], {}
     examples = ", ".join(repr(n) for n in sorted(expected)[:2])
     for name in sorted(tensors):
         t = tensors[name]
-        norm = name[:-len(SUFFIX)] if name.endswith(SUFFIX) else None
+        kind = next((k for k in (SUFFIX, *RANGE_SUFFIXES) if name.endswith(k)), None)
+        norm = name[:-len(kind)] if kind is not None else None
+        if kind in RANGE_SUFFIXES and norm in expected:
+            D = expected[norm]
+            if t.dtype != torch.float32 or tuple(t.shape) != (D,) or not torch.isfinite(t).all():
+                raise ValueError(f"{where}: tensor {name!r} is {str(t.dtype).replace('torch.', '')} {list(t.shape)}"
+                                 f"{'' if torch.isfinite(t).all() else ' with values that are not finite'}; "
+                                 f"expected finite float32 [{D}] (the range of {norm}'s rows)")
+            bounds.setdefault(norm, {})[kind] = t
+            continue
         if norm in known and norm not in expected:
             ignored.append(norm)
             continue
@@ -181,7 +229,16 @@ def load(path, expected: dict, model_type: str | None = None, known=()) -> tuple
     if missing:
         raise ValueError(f"{where}: no tensor {missing[0] + SUFFIX!r} for {missing[0]} ({len(missing)} of "
                          f"{len(expected)} smooth scales missing; a file made for another model?)")
-    return out, ignored
+    ranges = {}
+    if info["format"] == FORMAT:
+        for norm in sorted(expected):
+            got = bounds.get(norm, {})
+            lacking = [k for k in RANGE_SUFFIXES if k not in got]
+            if lacking:
+                raise ValueError(f"{where}: no tensor {norm + lacking[0]!r} (format {FORMAT} holds every source's "
+                                 f"range)")
+            ranges[norm] = (got[".act_min"], got[".act_max"])
+    return out, sorted(set(ignored)), ranges
 
 
 def _metadata(where: str, metadata: dict) -> dict:
@@ -195,7 +252,7 @@ def _metadata(where: str, metadata: dict) -> dict:
     except (json.JSONDecodeError, RecursionError):
         info = None
     fmt = info.get("format") if isinstance(info, dict) else None
-    if fmt != FORMAT:
+    if fmt != FORMAT and fmt not in FORMATS_WITHOUT_RANGES:
         old = f" ({OLD_FORMATS[fmt]}: run scripts/calibrate.py again)" if fmt in OLD_FORMATS else ""
         raise ValueError(f"{where}: metadata format {fmt!r}; expected {FORMAT!r} (a file written by "
                          f"scripts/calibrate.py){old}")

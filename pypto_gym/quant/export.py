@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from .. import files
-from .linear import STORED, quant_linear_of
+from .linear import STORED, STORED_STATIC, quant_linear_of
 from .plan import output_embedding
 
 FORMAT = "compressed-tensors"
@@ -57,7 +57,9 @@ FORMATS = ("compressed-tensors", "msmodelslim")
 MSMODELSLIM_JSON = "quant_model_description.json"  # msModelSlim's names (its save/ascendv1.py), as vllm-ascend reads
 MSMODELSLIM_WEIGHTS = "quant_model_weights.safetensors"
 W8A8_DYNAMIC = "W8A8_DYNAMIC"
+W8A8_STATIC = "W8A8"  # msModelSlim's name of the static scheme (vllm-ascend: methods/w8a8_static.py)
 MSMODELSLIM_GLOBALS = {"version": "1.0.0", "model_quant_type": W8A8_DYNAMIC, "metadata": {}, "group_size": 0}
+STATIC_TENSORS = ("input_scale", "input_offset", "deq_scale", "quant_bias")  # per static int8 linear, beside weight
 
 
 LM_HEAD_CONSUMERS = {  # who loads an int8 lm_head of each format (read in vLLM 0.32 and vllm-ascend's code)
@@ -79,7 +81,11 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> 
     msModelSlim: every tensor in `quant_model_weights.safetensors`; per int8 linear `weight` int8,
     `weight_scale` fp32 [out, 1], `weight_offset` zeros fp32 [out, 1] (symmetric) and its bias fp32;
     `quant_model_description.json` naming each tensor's type (`W8A8_DYNAMIC`, `FLOAT` for the rest) with
-    the global keys version, model_quant_type, metadata, group_size; config.json without quantization_config."""
+    the global keys version, model_quant_type, metadata, group_size; config.json without quantization_config.
+    A model patched with quant="w8a8_static" is written as msModelSlim's W8A8 (static): per int8 linear also
+    `input_scale` and `input_offset` [1] in the model dtype, `deq_scale` [out] (fp32; int64 holding the fp32 bits
+    for an fp16 model, as msModelSlim stores it for npu_quant_matmul's fp16 output) and `quant_bias` int32 [out],
+    the tensors the linear runs; model_quant_type `W8A8`."""
     from ..patching.api import _STATE_ATTR
 
     if format not in FORMATS:
@@ -90,6 +96,10 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> 
         raise ValueError("export: the model is not patched with quant='w8a8'; patch it first (its int8 weights "
                          "are what is written)")
     out = check_out_dir(out_dir)
+    static = plan.scheme == "static"
+    if static and format != "msmodelslim":
+        raise ValueError(f"export: format {format!r} with a model patched with quant='w8a8_static'; the static scheme "
+                         f"is written as 'msmodelslim' (W8A8)")
     factors = _smoothing_factors(model, plan)  # refused here, before anything is written, if one cannot fold
     tensors = {}
     int8, ignore, tied = [], [], []
@@ -109,6 +119,12 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> 
             tensors[f"{ql.path}.weight_offset"] = torch.zeros_like(scale)
             if ql.module.bias is not None:
                 tensors[f"{ql.path}.bias"] = ql.module.bias.detach().to(torch.float32)
+        if static:
+            dtype = ql.module.weight.dtype
+            tensors[f"{ql.path}.input_scale"] = ql.static[0].reshape(1).to(dtype).clone()
+            tensors[f"{ql.path}.input_offset"] = ql.static[1].reshape(1).to(dtype).clone()
+            tensors[f"{ql.path}.deq_scale"] = ql.deq_base.to(torch.float32).clone()  # folded below, as it runs
+            tensors[f"{ql.path}.quant_bias"] = ql.quant_bias.clone()
     ignore += [r["path"] for r in plan.float_linears]
     state_dict = {k: v for k, v in model.state_dict().items() if not v.is_meta}
     state_dict.update(tensors)
@@ -118,6 +134,11 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> 
     for name, f in factors.items():  # each output channel (dim 0) times its folded 1/s, rounded once
         t = state_dict[name]
         state_dict[name] = (t.float() * f.to(t.device).view(-1, *[1] * (t.dim() - 1))).to(t.dtype)
+    if static:
+        for ql in plan.linears:  # msModelSlim's fp16 deq_scale: the fp32 bits as int64 (after any fold above)
+            name = f"{ql.path}.deq_scale"
+            if name in state_dict and ql.module.weight.dtype == torch.float16:
+                state_dict[name] = deq_scale_to_int64(state_dict[name])
     head = output_embedding(model)
     lm_head = "int8" if head is not None and quant_linear_of(head[1]) is not None else "float"
     with _staging(out) as tmp:
@@ -135,12 +156,25 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> 
             (tmp / "model.safetensors").rename(tmp / MSMODELSLIM_WEIGHTS)
             with safe_open(str(tmp / MSMODELSLIM_WEIGHTS), framework="pt") as f:
                 names = list(f.keys())
-            int8_keys = {f"{p}.{n}" for p in int8 for n in ("weight", "weight_scale", "weight_offset")}
-            description = {k: W8A8_DYNAMIC if k in int8_keys else "FLOAT" for k in sorted(names)}
-            (tmp / MSMODELSLIM_JSON).write_text(json.dumps({**description, **MSMODELSLIM_GLOBALS}, indent=2) + "\n")
+            kind = W8A8_STATIC if static else W8A8_DYNAMIC
+            int8_keys = {f"{p}.{n}" for p in int8 for n in ("weight", "weight_scale", "weight_offset",
+                                                             *(STATIC_TENSORS if static else ()))}
+            description = {k: kind if k in int8_keys else "FLOAT" for k in sorted(names)}
+            (tmp / MSMODELSLIM_JSON).write_text(json.dumps({**description, **MSMODELSLIM_GLOBALS,
+                                                            "model_quant_type": kind}, indent=2) + "\n")
         if processor is not None:
             processor.save_pretrained(tmp)
     return {"int8": int8, "ignore": sorted(ignore), "lm_head": lm_head}
+
+
+def deq_scale_to_int64(deq: torch.Tensor) -> torch.Tensor:
+    """msModelSlim's int64 deq_scale (fp16 models): each fp32 value's bit pattern, as an integer."""
+    return deq.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+
+
+def deq_scale_from_int64(deq: torch.Tensor) -> torch.Tensor:
+    """The fp32 deq_scale an int64 one holds (the inverse of deq_scale_to_int64; values are int32 bit patterns)."""
+    return deq.to(torch.int32).view(torch.float32)
 
 
 def check_out_dir(out_dir) -> Path:
@@ -195,8 +229,10 @@ def _smoothing_factors(model, plan) -> dict:
 
     def rows_of(path, f):  # a module's output channels: a norm's weight, a linear's rows
         module = model.get_submodule(path)
-        int8 = isinstance(module, torch.nn.Linear) and quant_linear_of(module) is not None
-        times(f"{path}.weight_scale" if int8 else f"{path}.weight", f)
+        ql = quant_linear_of(module) if isinstance(module, torch.nn.Linear) else None
+        times(f"{path}.weight_scale" if ql is not None else f"{path}.weight", f)
+        if ql is not None and ql.static is not None:  # a static linear's output is scaled by deq_scale
+            times(f"{path}.deq_scale", f)
         if getattr(module, "bias", None) is not None:
             times(f"{path}.bias", f)
 
@@ -274,30 +310,33 @@ def _check_scheme(where: str, qc) -> None:
                                  f"{value!r} (W8A8: int8 per-channel weights, int8 dynamic per-token activations)")
 
 
-def _check_description(where: str, description: dict, tensors: dict) -> None:
-    """msModelSlim's quant_model_description.json against its weights: W8A8_DYNAMIC, every tensor named and every
-    name a tensor, symmetric (zero) weight offsets; the offsets are then dropped (the kernels are symmetric)."""
+def _check_description(where: str, description: dict, tensors: dict) -> str:
+    """msModelSlim's quant_model_description.json against its weights: W8A8_DYNAMIC or W8A8 (static), every tensor
+    named and every name a tensor, symmetric (zero) weight offsets; the offsets are then dropped (the kernels are
+    symmetric). Returns the scheme's type."""
     got = description.get("model_quant_type")
-    if got != W8A8_DYNAMIC:
-        raise ValueError(f"{where}: {MSMODELSLIM_JSON} model_quant_type {got!r}; expected {W8A8_DYNAMIC!r}")
+    if got not in (W8A8_DYNAMIC, W8A8_STATIC):
+        raise ValueError(f"{where}: {MSMODELSLIM_JSON} model_quant_type {got!r}; expected {W8A8_DYNAMIC!r} or "
+                         f"{W8A8_STATIC!r}")
     named = {k: v for k, v in description.items() if k not in MSMODELSLIM_GLOBALS}
     for name, kind in sorted(named.items()):
         if name not in tensors:
             raise ValueError(f"{where}: {MSMODELSLIM_JSON} names tensor {name!r}, which the weights do not hold")
-        if kind not in (W8A8_DYNAMIC, "FLOAT"):
+        if kind not in (got, "FLOAT"):
             raise ValueError(f"{where}: {MSMODELSLIM_JSON} gives {name!r} type {kind!r}; expected "
-                             f"{W8A8_DYNAMIC!r} or 'FLOAT'")
+                             f"{got!r} or 'FLOAT'")
     unnamed = sorted(set(tensors) - set(named))
     if unnamed:
         raise ValueError(f"{where}: tensor {unnamed[0]!r} is not named in {MSMODELSLIM_JSON}")
     for name in sorted(k for k in tensors if k.endswith(".weight_offset")):
-        if named[name] != W8A8_DYNAMIC or tensors[name].any():
+        if named[name] != got or tensors[name].any():
             raise ValueError(f"{where}: tensor {name!r} is not zero: an asymmetric weight, which the int8 kernels "
                              f"(symmetric) do not run")
         del tensors[name]
     for name, t in tensors.items():
-        if t.dtype == torch.int8 and named[name] != W8A8_DYNAMIC:
+        if t.dtype == torch.int8 and named[name] != got:
             raise ValueError(f"{where}: tensor {name!r} is int8 but {MSMODELSLIM_JSON} types it {named[name]!r}")
+    return got
 
 
 def _regular(path: Path) -> bool:
@@ -356,6 +395,15 @@ def int8_format(path) -> str | None:
     return None
 
 
+def quant_mode_of(path) -> str:
+    """The patch_model quant mode an int8 checkpoint runs in: "w8a8_static" for msModelSlim's W8A8, else "w8a8"."""
+    try:
+        described = read_json(Path(path) / MSMODELSLIM_JSON, str(path)).get("model_quant_type")
+    except (OSError, ValueError):
+        return "w8a8"
+    return "w8a8_static" if described == W8A8_STATIC else "w8a8"
+
+
 def _model_dtype(where: str, config: dict, dtype: str):
     """The dtype to build the model in: `dtype`, else config.json's (`dtype`, or 4.x's `torch_dtype`), which is
     checked either way (a damaged config is refused, not overridden)."""
@@ -384,14 +432,16 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
     where = f"checkpoint {path}"
     config_json = read_json(path / "config.json", where)
     tensors = _read_tensors(path, where)
+    kind = W8A8_DYNAMIC
     if (path / MSMODELSLIM_JSON).exists():
-        _check_description(where, read_json(path / MSMODELSLIM_JSON, where), tensors)
+        kind = _check_description(where, read_json(path / MSMODELSLIM_JSON, where), tensors)
     else:
         _check_scheme(where, config_json.get("quantization_config"))
     family = models.family(config_json.get("model_type"))
     torch_dtype = _model_dtype(where, config_json, dtype)
     tensors = _module_names(tensors, family)
     sidecar = read_json(path / SIDECAR, where) if (path / SIDECAR).exists() else {}
+    static = _static_tensors(where, tensors) if kind == W8A8_STATIC else {}
     scales = {k[:-len(".weight_scale")] for k in tensors if k.endswith(".weight_scale")}
     stored = {}
     for lin in sorted(scales):
@@ -406,6 +456,18 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
                              f"{list(s.shape)}; expected a float [{w.shape[0]}, 1] (one scale per output channel)")
         stored[lin] = (tensors.pop(f"{lin}.weight"), tensors.pop(f"{lin}.weight_scale").reshape(-1).to(torch.float32))
         _check_weight_scale(where, lin, *stored[lin], torch_dtype)
+        if static:
+            if lin not in static:
+                raise ValueError(f"{where}: tensor '{lin}.deq_scale' is missing (a W8A8 static int8 linear has "
+                                 f"{', '.join(STATIC_TENSORS)})")
+            deq, qb = static[lin][2:]
+            for n, t in (("deq_scale", deq), ("quant_bias", qb)):
+                if tuple(t.shape) != (w.shape[0],):
+                    raise ValueError(f"{where}: tensor '{lin}.{n}' is {list(t.shape)}; expected [{w.shape[0]}] (one per "
+                                     f"output channel of '{lin}.weight')")
+            stored[lin] = (*stored[lin], deq, qb)
+    for lin in sorted(set(static) - set(stored)):
+        raise ValueError(f"{where}: tensor '{lin}.deq_scale' has no int8 '{lin}.weight' with its weight_scale")
     for name, t in tensors.items():
         if t.dtype == torch.int8:
             raise ValueError(f"{where}: tensor {name!r} is int8 but has no '{name.rpartition('.')[0]}.weight_scale'")
@@ -421,7 +483,7 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
         model = cls.from_config(config, dtype=torch_dtype)
     model.tie_weights()  # a tied lm_head is the embedding's tensor, written once
     expected = model.state_dict()
-    for lin, (w_q, _) in stored.items():
+    for lin, (w_q, *_) in stored.items():
         if f"{lin}.weight" not in expected:
             raise ValueError(f"{where}: tensor '{lin}.weight' names no linear of this {config.model_type} model")
         if tuple(expected[f"{lin}.weight"].shape) != tuple(w_q.shape):
@@ -442,11 +504,13 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
     model.load_state_dict(tensors, strict=False, assign=True)
     model.tie_weights()
     model = model.to(device).eval()
-    for lin, (w_q, w_scale) in stored.items():  # the float weight is absent: only the int8 one exists
+    for lin, (w_q, w_scale, *epilogue) in stored.items():  # the float weight is absent: only the int8 one exists
         module = model.get_submodule(lin)
         module._parameters["weight"] = torch.nn.Parameter(torch.empty(w_q.shape, dtype=torch_dtype, device="meta"),
                                                           requires_grad=False)
-        module.__dict__[STORED] = (w_q.to(device), w_scale.to(device))
+        module.__dict__[STORED] = tuple(t.to(device) for t in (w_q, w_scale, *epilogue))
+        if lin in static:
+            module.__dict__[STORED_STATIC] = tuple(t.to(device=device, dtype=torch_dtype) for t in static[lin][:2])
     tied = set(sidecar.get("quantised_from_float", ()))
     linears = {p for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     for p in sorted(tied):
@@ -459,7 +523,8 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
                    and p not in tied]
     head = output_embedding(model)
     int8_head = head is not None and (head[0] in stored or head[0] in tied)
-    report = patch_model(model, backend=backend, quant="w8a8", float_linears=float_paths or None,
+    report = patch_model(model, backend=backend, quant="w8a8_static" if static else "w8a8",
+                         float_linears=float_paths or None,
                          int8_lm_head=int8_head, **patch_options)
     lost = [lin for lin in stored if quant_linear_of(model.get_submodule(lin)) is None]
     if lost:
@@ -471,6 +536,50 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
     from ..models.qwen2_5_vl import Processor
 
     return model, (Processor if family.MULTIMODAL else TextProcessor)(path), family, report
+
+
+def _static_tensors(where: str, tensors: dict) -> dict:
+    """{linear: (input_scale [1], input_offset [1], deq_scale fp32 [N], quant_bias int32 [N])} of an msModelSlim W8A8
+    (static) checkpoint, popped from `tensors` and checked, a problem refused naming the tensor: every tensor of
+    the four present, input_scale finite and > 0, input_offset an integer in int8's range, deq_scale fp32 (or
+    int64 holding fp32 bits: fp16 models) finite and >= 0, quant_bias int32. A weight_scale the format does not
+    require is derived as deq_scale / input_scale (msModelSlim's own inverse) where absent."""
+    out = {}
+    for lin in sorted({k.rpartition(".")[0] for k in tensors if k.endswith(tuple(f".{n}" for n in STATIC_TENSORS))}):
+        got = {}
+        for n in STATIC_TENSORS:
+            t = tensors.pop(f"{lin}.{n}", None)
+            if t is None:
+                raise ValueError(f"{where}: tensor '{lin}.{n}' is missing (a W8A8 static int8 linear has "
+                                 f"{', '.join(STATIC_TENSORS)})")
+            got[n] = t
+        name = f"{where}: tensor '{lin}."
+        scale, offset, deq, qb = (got[n] for n in STATIC_TENSORS)
+        for n, t in (("input_scale", scale), ("input_offset", offset)):
+            if not t.is_floating_point() and t.dtype != torch.int8 or t.numel() != 1:
+                raise ValueError(f"{name}{n}' is {str(t.dtype).replace('torch.', '')} {list(t.shape)}; expected one "
+                                 f"float value ([1])")
+        if not (torch.isfinite(scale).all() and float(scale) > 0):
+            raise ValueError(f"{name}input_scale' is {float(scale)!r}; expected a finite value > 0")
+        o = float(offset)
+        if not (o == round(o) and -128 <= o <= 127):
+            raise ValueError(f"{name}input_offset' is {o!r}; expected an integer in int8's range [-128, 127]")
+        if deq.dtype == torch.int64:
+            if deq.numel() and (deq.min() < -2 ** 31 or deq.max() >= 2 ** 31):
+                raise ValueError(f"{name}deq_scale' is int64 but holds values that are not fp32 bit patterns")
+            deq = deq_scale_from_int64(deq)
+        if deq.dtype != torch.float32 or deq.dim() != 1:
+            raise ValueError(f"{name}deq_scale' is {str(deq.dtype).replace('torch.', '')} {list(deq.shape)}; "
+                             f"expected float32 [out] (or int64 holding fp32 bits)")
+        if not torch.isfinite(deq).all() or (deq < 0).any():
+            raise ValueError(f"{name}deq_scale' has values that are not finite and >= 0")
+        if qb.dtype != torch.int32 or qb.dim() != 1:
+            raise ValueError(f"{name}quant_bias' is {str(qb.dtype).replace('torch.', '')} {list(qb.shape)}; "
+                             f"expected int32 [out]")
+        if f"{lin}.weight_scale" not in tensors and f"{lin}.weight" in tensors:
+            tensors[f"{lin}.weight_scale"] = deq / scale.to(torch.float32).reshape(())
+        out[lin] = (scale.reshape(1), offset.reshape(1), deq, qb)
+    return out
 
 
 def _check_weight_scale(where: str, lin: str, w_q, w_scale, dtype) -> None:

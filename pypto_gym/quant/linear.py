@@ -1,5 +1,10 @@
 """QuantLinear: an nn.Linear whose forward runs the int8 GEMM (`ops.quant_matmul`) on int8 weights.
 
+In the static scheme (msModelSlim's W8A8) its input is int8 under one static scale s_x and offset o (its
+producer's, or its own for a linear that quantises its input: `ops.static_quant`) and it runs
+`ops.quant_matmul_static` with deq_scale = s_x * w_scale and quant_bias = rint(bias / deq_scale) - o * sum_k w_q:
+the tensors the format stores (`static_epilogue`), so what runs in memory is what an export holds.
+
 As with a patched norm, only the module's instance `forward` changes (patching/swap.py): its float
 weight stays the registered Parameter (state_dict, save_pretrained and unpatching see the model as it was), and
 the int8 copy lives here. The switch (USE_PTO_RMS_NORM / config.set_enabled) turns the float
@@ -18,7 +23,9 @@ from ..patching.site import SwappedForward, part
 from . import activations
 
 _SLOT = "_pypto_gym_quant_linear"
-STORED = "_pypto_gym_stored_int8"  # (w_q, w_scale) of a linear loaded from an int8 checkpoint (export.load)
+STORED = "_pypto_gym_stored_int8"  # (w_q, w_scale[, deq_scale, quant_bias]) of a linear loaded from an int8 checkpoint
+#                                    (export.load; the static scheme's epilogue as stored)
+STORED_STATIC = "_pypto_gym_stored_static"  # (input_scale [1], input_offset [1]) of a loaded static int8 linear
 _STATE = config.STATE
 WEIGHT_CHUNK_ROWS = 4096  # quantise weights a slice at a time: lm_head's fp32 copy would be ~1.2 GB at once
 
@@ -36,6 +43,26 @@ def quantize_weight(weight: torch.Tensor, smooth: torch.Tensor | None = None):
     return w_q, w_scale
 
 
+INT32 = (-2 ** 31, 2 ** 31 - 1)
+
+
+def static_epilogue(w_q, w_scale, scale, offset, bias, path: str):
+    """(deq_scale fp32 [N], quant_bias int32 [N]) of a static int8 linear, as msModelSlim derives them: deq_scale =
+    f32(scale) * w_scale; quant_bias = rint(f32(bias) / deq_scale) - offset * sum_k w_q[n, k] (the offset's
+    correction and the bias in the integer domain). A quant_bias outside int32 is refused, naming the linear."""
+    deq = scale.reshape(()).to(torch.float32).cpu() * w_scale.to(torch.float32).cpu()
+    correction = offset.reshape(()).to(torch.float64).cpu() * w_q.to(torch.float64).sum(1).cpu()
+    qb = -correction
+    if bias is not None:
+        safe = torch.where(deq == 0, torch.ones_like(deq), deq)
+        qb = qb + torch.where(deq == 0, torch.zeros_like(deq), torch.round(bias.detach().float().cpu() / safe))
+    if qb.numel() and (qb.min() < INT32[0] or qb.max() > INT32[1]):
+        j = int(((qb < INT32[0]) | (qb > INT32[1])).nonzero()[0, 0])
+        raise ValueError(f"{path}: quant_bias channel {j} is {float(qb[j]):.4g}, outside int32 (bias "
+                         f"{float(bias[j]) if bias is not None else 0.0:.4g} over deq_scale {float(deq[j]):.4g})")
+    return deq.to(w_q.device), qb.to(torch.int32).to(w_q.device)
+
+
 def linear_kind(path: str) -> str:
     """`text.q_proj`, `vision.qkv`, `text.lm_head`, `vision.mlp.0`: where an int8 linear is, for reports and cases."""
     parts = path.split(".")
@@ -49,8 +76,11 @@ class QuantLinear(SwappedForward):
 
     SLOT = _SLOT
 
-    def __init__(self, path: str, module: torch.nn.Linear, source, backend: str, why: str, inv_smooth=None):
+    def __init__(self, path: str, module: torch.nn.Linear, source, backend: str, why: str, inv_smooth=None,
+                 static=None):
         super().__init__(module)
+        # the static scheme: (scale [1], offset [1]) its int8 input stands under: its producer's, or its own
+        self.static = source.static if source is not None else static
         self.path, self.source, self.why = path, source, why
         self.backend = backend
         # what a float input is multiplied by before it is quantised here: the producer's 1/s (rows that
@@ -62,10 +92,18 @@ class QuantLinear(SwappedForward):
             raise ValueError(f"{path}: its int8 weight was loaded from a checkpoint (smoothing, if any, is folded "
                              f"into it); a calibration file cannot apply")
         self.stored = stored is not None
-        self.w_q, self.w_scale = stored if stored is not None else quantize_weight(module.weight, smooth)
+        self.w_q, self.w_scale = stored[:2] if stored is not None else quantize_weight(module.weight, smooth)
         if self.stored:
             self.keep_meta_weight_on_apply()
         self._quantised_from = self._float_weight_now()
+        self.deq_base = self.quant_bias = None  # static: deq_scale before any fold, and the int32 bias
+        self.out_fold = None  # static: a consumer's smoothing folded into this linear's output (fold_output)
+        self.smooth_folded = False  # static: its own input's smoothing is folded into its source's output
+        if self.static is not None and stored is not None and len(stored) == 4:
+            self.deq_base, self.quant_bias = stored[2:]
+        elif self.static is not None:
+            self.deq_base, self.quant_bias = static_epilogue(self.w_q, self.w_scale, *self.static, module.bias, path)
+        self.deq_scale = self.deq_base
         self.merged_into = None  # the QuantMlp whose one gate/up GEMM holds this weight (quant/mlp.py)
         self.requantised = 0  # times the float weight changed after patching and was quantised again
         self.stats = Stats(site=linear_kind(path))  # a recorder files its quant_matmul calls under it
@@ -99,10 +137,24 @@ class QuantLinear(SwappedForward):
                                f": there is nothing to quantise it from; load or patch the model again")
         smooth = None if self.inv_smooth is None else 1.0 / self.inv_smooth.float()
         self.w_q, self.w_scale = quantize_weight(w, smooth)
+        if self.static is not None:
+            self.deq_base, self.quant_bias = static_epilogue(self.w_q, self.w_scale, *self.static, self.module.bias,
+                                                             self.path)
+            self.fold_output(None)
         self._quantised_from = self._float_weight_now()
         self.requantised += 1
         if self.merged_into is not None:
             self.merged_into.remerge()
+
+    def fold_output(self, factor) -> None:
+        """Static scheme: multiply this linear's output channels by `factor` (fp32 [N], a consumer's 1/s) through its
+        deq_scale, as an export folds it (deq_scale * factor, one fp32 multiply): what runs in memory is then what
+        the checkpoint holds. None re-applies the factors so far (after `refresh`)."""
+        if factor is not None:
+            f = factor.to(torch.float32).cpu()
+            self.out_fold = f if self.out_fold is None else self.out_fold * f
+        if self.out_fold is not None:
+            self.deq_scale = (self.deq_base.float() * self.out_fold.to(self.deq_base.device)).to(torch.float32)
 
     def release(self) -> None:
         """Drop the float weight (a deployment): the module's `weight` becomes a meta tensor of its shape and
@@ -147,7 +199,8 @@ class QuantLinear(SwappedForward):
                 "quantized_here": self.quantized_here, "requantised": self.requantised,
                 "float_weight_bytes": m.weight.numel() * m.weight.element_size(),
                 "float_weight_shared": self.float_weight_shared, "float_weight_released": self.released_bytes > 0,
-                "int8_weight_bytes": self.w_q.numel() + 4 * self.w_scale.numel()}
+                "int8_weight_bytes": self.w_q.numel() + 4 * self.w_scale.numel(),
+                **({"scheme": "static"} if self.static is not None else {})}
 
 
 def quant_linear_forward(module, x):
@@ -168,13 +221,20 @@ def quant_linear_forward(module, x):
     if got is None:
         if isinstance(x, (activations.QuantRows, activations.TracedRows)):
             x = x.value()  # escaped, or another norm's rows: quantise the float values they stand for
-        q, scale = ops.dynamic_quant(x, ql.inv_smooth, backend=ql.backend, stats=ql.stats)
+        if ql.static is not None:
+            smooth = None if ql.smooth_folded else ql.inv_smooth
+            q, scale = ops.static_quant(x, *ql.static, smooth, backend=ql.backend, stats=ql.stats), None
+        else:
+            q, scale = ops.dynamic_quant(x, ql.inv_smooth, backend=ql.backend, stats=ql.stats)
         if counted:
             ql.quantized_here += 1
     else:
         q, scale = got
         if counted:
             ql.handed_over += 1
+    if ql.static is not None:
+        return ops.quant_matmul_static(q, ql.w_q, ql.deq_scale, ql.quant_bias, out_dtype=x.dtype, backend=ql.backend,
+                                       stats=ql.stats)
     return ops.quant_matmul(q, ql.w_q, scale, ql.w_scale, module.bias, out_dtype=x.dtype, backend=ql.backend,
                             stats=ql.stats)
 

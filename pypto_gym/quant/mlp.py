@@ -8,6 +8,10 @@ gate, up or activation is written. Otherwise (hooks on gate_proj/up_proj, rows t
 device) the linears run as modules and `swiglu_dynamic_quant` quantises silu(gate) * up; the report
 counts both. Either way the arithmetic is W8A8's own, not HF's roundings: the int32 path dequantises
 in fp32 as torch_npu does. The smooth scale is fp32, as torch_npu's swiglu quant ops take it.
+
+In the static scheme the MLP's activation (`swiglu` in the site's cast mode) is quantised by `static_quant`
+under the producer's static scale and offset (gate_proj and up_proj run as their int8 modules); its smooth
+scale is folded into an int8 up_proj's deq_scale, as a checkpoint holds it.
 """
 from __future__ import annotations
 
@@ -21,10 +25,11 @@ from . import activations
 class QuantMlp(activations.Producer):
     """The W8A8 half of one patched MLP site (its Site keeps the path, cast mode, backend and counters)."""
 
-    def __init__(self, inv_smooth):
-        super().__init__(inv_smooth)
+    def __init__(self, inv_smooth, static=None):
+        super().__init__(inv_smooth, static)
         self.merged = None  # (w_q [2I, K], w_scale [2I], gate QuantLinear, up QuantLinear) for the int32 path
         self.int32_calls = 0  # calls that ran one int32 GEMM + dequant_swiglu_quant
+        self.smooth_folded = False  # static: the smooth scale is folded into up_proj's deq_scale (plan.py)
 
     def merge(self, gate, up) -> None:
         """Make gate's and up's int8 weights and scales the two halves of one tensor (the int32 path's weight)."""
@@ -59,6 +64,12 @@ class QuantMlp(activations.Producer):
         return activations.handed_over(x, gate.source)
 
     def forward(self, site, module, x):
+        if self.static is not None:
+            act = ops.swiglu(module.gate_proj(x), module.up_proj(x), cast_mode=site.cast_mode,
+                             backend=site.call.backend, stats=site.stats)
+            smooth = None if self.smooth_folded else self.inv_smooth
+            q = ops.static_quant(act, *self.static, smooth, backend=site.call.backend, stats=site.stats)
+            return module.down_proj(self.hand_over(q, None, act.dtype))
         rows = self._handed_rows(module, x)
         if rows is not None:
             q, x_scale = rows

@@ -8,6 +8,10 @@ no fused op produces (o_proj, the vision attn.proj, the merger's linears: W8A8_O
 it themselves with `dynamic_quant`, smoothed by their own calibrated scale (where it can fold into a
 checkpoint: quant/fold.py), in the parts of the model (text, vision) that have producers. Every other
 linear stays in the model dtype and is listed with why.
+
+Two schemes: "dynamic" (quant="w8a8": per-token activation scales computed at run time, W8A8_DYNAMIC) and
+"static" (quant="w8a8_static": msModelSlim's W8A8, one scale and offset per source of rows, fixed from the
+calibration file's ranges by calibration.static_params, in the model dtype as the format stores them).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from ..patching.mlp import MlpSite
 from ..patching.norm import NormSite
 from ..patching.site import part
 from . import calibration
-from .linear import QuantLinear, linear_kind, quant_linear_of
+from .linear import STORED_STATIC, QuantLinear, linear_kind, quant_linear_of
 from .mlp import QuantMlp
 from .norm import QuantNorm
 
@@ -94,6 +98,7 @@ class QuantPlan:
         self.float_reasons: dict = {}  # linear path -> why float_linears left it in the model dtype
         self.speed_note: str | None = None  # said once at patch time where the int8 GEMM has no fast path
         self.int8_gemm: str | None = None  # which exact int32 GEMM the CPU's int8 linears run (ops.int32_gemm)
+        self.scheme = "dynamic"  # or "static" (install)
 
     def unpatch_refusal(self) -> str | None:
         """Why unpatch_model cannot restore the float model (its weights were released), else None."""
@@ -116,7 +121,8 @@ class QuantPlan:
     def to_json(self) -> dict:
         rows = [ql.row() for ql in self.linears] + [dict(r) for r in self.float_linears]
         q = [r for r in rows if r["became"] == "w8a8"]
-        return {"mode": "w8a8", "calibration": self.calibration, "smoothing": self.calibration is not None,
+        return {"mode": "w8a8" if self.scheme == "dynamic" else "w8a8_static", "scheme": self.scheme,
+                "calibration": self.calibration, "smoothing": self.calibration is not None,
                 "summary": {"linears": len(rows), "int8": len(q), "float": len(rows) - len(q),
                             "quant_norms": len(self.norms), "quant_mlps": len(self.mlps),
                             "handed_over": sum(r["handed_over"] for r in q),
@@ -168,17 +174,23 @@ def _kept_float(model, globs) -> set:
     return kept
 
 
-def install(model, state) -> QuantPlan:
-    """The "w8a8" quantisation mode of patch_model: every patched norm with consumer linears and every patched
-    SwiGLU MLP produce int8 rows for their linears; returns the plan (uninstall undoes it). A calibration file
-    may cover every norm and MLP of the model, patched or not (a `sites=` subset)."""
+def install(model, state, scheme: str = "dynamic") -> QuantPlan:
+    """The "w8a8" (scheme "dynamic") and "w8a8_static" quantisation modes of patch_model: every patched norm with
+    consumer linears and every patched SwiGLU MLP produce int8 rows for their linears; returns the plan (uninstall
+    undoes it). A calibration file may cover every norm and MLP of the model, patched or not (a `sites=` subset);
+    the static scheme needs one, with ranges (format 4)."""
     w8a8_family(model)  # a model of no known family is refused before anything changes
+    loaded = any(STORED_STATIC in m.__dict__ for m in model.modules())
+    if scheme == "static" and state.options.calibration is None and not loaded:
+        raise ValueError("quant='w8a8_static': calibration is None; expected a calibration file (pypto-gym "
+                         "calibrate): the static scales and offsets come from its activation ranges")
     sites = [s for s in state.sites if isinstance(s, (NormSite, MlpSite))]
     backend, calibration_path = state.options.backend, state.options.calibration
     known = [p for e in state.entries for p in (e.paths if isinstance(e, (NormSite, MlpSite)) else
                                                 e["paths"] if isinstance(e, dict) and e["op"] in ("rms_norm", "swiglu")
                                                 else ())]
     plan = QuantPlan(None if calibration_path is None else str(calibration_path), sites)
+    plan.scheme = scheme
     kept = _kept_float(model, state.options.float_linears)
     fed = {}
     for site in sites:
@@ -207,7 +219,7 @@ def install(model, state) -> QuantPlan:
     own = [(p, m) for p, m in every_own if part(p) in parts and p not in kept]
     plan.float_reasons.update({p: "float_linears keeps it in the model dtype" for p, _ in every_own if p in kept})
     known += [p for p, _ in every_own]
-    smooth = {}
+    smooth, ranges = {}, {}
     if calibration_path is not None:
         from .fold import folds
 
@@ -215,8 +227,16 @@ def install(model, state) -> QuantPlan:
         own_smoothed = [(p, m) for p, m in own if p in smoothed]
         expected = {s.path: _producer_of(s, found)[0] for s, found in fed.items()}
         expected.update({p: m.in_features for p, m in own_smoothed})
-        smooth, plan.calibration_ignored = calibration.load(
+        smooth, plan.calibration_ignored, ranges = calibration.load(
             calibration_path, expected, getattr(getattr(model, "config", None), "model_type", None), set(known))
+        if scheme == "static" and not ranges:
+            raise ValueError(f"calibration {calibration_path}: a format 3 file holds no activation ranges, which "
+                             f"quant='w8a8_static' needs; calibrate again (pypto-gym calibrate)")
+        if scheme == "static" and not loaded:
+            unranged = sorted(p for p, _ in own if p not in ranges)  # the merger's mlp.2: no smoothing, no range
+            plan.float_reasons.update({p: "the calibration file has no range for its input (static scheme)"
+                                       for p in unranged})
+            own = [(p, m) for p, m in own if p in ranges]
         checks = [(site.path, _producer_of(site, found)[1], found) for site, found in fed.items()]
         checks += [(p, m.weight.dtype, [(p, m)]) for p, m in own_smoothed]
         for key, dtype, found in checks:
@@ -229,13 +249,16 @@ def install(model, state) -> QuantPlan:
             _, dtype, kind, why = _producer_of(site, found)
             s = smooth.get(site.path)
             inv = None if s is None else (1.0 / s).to(device=found[0][1].weight.device, dtype=dtype)
-            producer = kind(inv)
+            static = None
+            if scheme == "static":
+                static = _static_of(site.path, ranges, inv, found)
+            producer = kind(inv, static)
             site.quant = producer
             (plan.mlps if kind is QuantMlp else plan.norms)[site.path] = producer
             for path, linear in found:
                 _add(plan, path, linear, producer, backend, why)
         for site in fed:  # an MLP whose gate and up read one norm's rows: one int32 GEMM over both weights
-            if isinstance(site, MlpSite):
+            if isinstance(site, MlpSite) and scheme == "dynamic":
                 gate, up = quant_linear_of(site.module.gate_proj), quant_linear_of(site.module.up_proj)
                 if gate is not None and up is not None and gate.source is not None and gate.source is up.source \
                         and (gate.module.bias is None) == (up.module.bias is None):
@@ -243,8 +266,15 @@ def install(model, state) -> QuantPlan:
         for path, linear in own:
             s = smooth.get(path)
             inv = None if s is None else (1.0 / s).to(device=linear.weight.device, dtype=linear.weight.dtype)
-            _add(plan, path, linear, None, backend, "quantised per row here (dynamic_quant: no fused op produces its "
-                                                    "input)", inv)
+            if scheme == "static":
+                _add(plan, path, linear, None, backend, "quantised here under its static scale (static_quant: no "
+                                                        "fused op produces its input)", inv,
+                     _static_of(path, ranges, inv, [(path, linear)]))
+            else:
+                _add(plan, path, linear, None, backend, "quantised per row here (dynamic_quant: no fused op produces "
+                                                        "its input)", inv)
+        if scheme == "static":
+            _fold_static_smoothing(model, plan)
     except BaseException:
         plan.uninstall()
         raise
@@ -278,10 +308,50 @@ def install(model, state) -> QuantPlan:
     return plan
 
 
-def _add(plan, path, linear, source, backend, why, inv_smooth=None) -> None:
+def _fold_static_smoothing(model, plan) -> None:
+    """Static scheme: fold each smooth scale into the int8 linear that writes the rows it scales, as an export does
+    (quant/fold.py): an MLP's into up_proj's deq_scale, an own-input linear's into its source linear's (v_proj, the
+    vision qkv); so what runs is what the msModelSlim checkpoint holds. Where that writer is not a static int8
+    linear (a float one, a norm: the merger's ln_q) the smooth scale stays in static_quant."""
+    from .fold import folds, source_factor
+
+    for path, mlp in plan.mlps.items():
+        up = quant_linear_of(model.get_submodule(path).up_proj)
+        if mlp.inv_smooth is not None and up is not None and up.static is not None:
+            up.fold_output(mlp.inv_smooth.detach().float())
+            mlp.smooth_folded = True
+    sources = folds(model)
+    for ql in plan.linears:
+        fold = sources.get(ql.path)
+        src = None if fold is None else quant_linear_of(fold.source)
+        if ql.source is None and ql.inv_smooth is not None and src is not None and src.static is not None:
+            src.fold_output(source_factor(ql.inv_smooth, fold))
+            ql.smooth_folded = True
+
+
+def _static_of(path, ranges, inv, found):
+    """A source's static (scale, offset) in the model dtype, on its consumers' device: the one its consumers were
+    loaded with (an msModelSlim W8A8 checkpoint: they must agree), else from the calibration file's range."""
+    weight = found[0][1].weight
+    stored = [lin.__dict__.get(STORED_STATIC) for _, lin in found]
+    if all(s is not None for s in stored):
+        for (p, _), s in zip(found[1:], stored[1:]):
+            if not (torch.equal(s[0], stored[0][0]) and torch.equal(s[1], stored[0][1])):
+                raise ValueError(f"{p}: input_scale/input_offset {float(s[0])}/{float(s[1])} differ from "
+                                 f"{found[0][0]}'s {float(stored[0][0])}/{float(stored[0][1])}, which read the same "
+                                 f"rows ({path}'s)")
+        return stored[0]
+    if path not in ranges:
+        raise ValueError(f"quant='w8a8_static': {path} has no static scale: expected a calibration file (pypto-gym "
+                         f"calibrate) holding its range")
+    scale, offset = calibration.static_params(*ranges[path], inv, weight.dtype)
+    return scale.to(weight.device), offset.to(weight.device)
+
+
+def _add(plan, path, linear, source, backend, why, inv_smooth=None, static=None) -> None:
     if quant_linear_of(linear) is not None:  # one module reachable twice (a shared or tied linear)
         return
-    ql = QuantLinear(path, linear, source, backend, why, inv_smooth)
+    ql = QuantLinear(path, linear, source, backend, why, inv_smooth, static)
     ql.install()
     plan.linears.append(ql)
     if source is not None:

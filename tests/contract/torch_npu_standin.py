@@ -16,6 +16,15 @@ against this module, written from torch_npu's API pages:
       (not on Atlas inference series chips); documented rows with pertoken_scale: output bf16 with
       scale fp32/bf16 and bias int32/bf16/fp32, or output fp16 with scale fp32 and bias int32/fp16/fp32;
       a float bias is added after dequantisation; x1, x2 and scale must not be empty.
+  npu_add_rms_norm_quant(x1, x2, gamma, scales1, zero_points1=None, beta=None, scales2=None, zero_points2=None,
+      *, axis=-1, epsilon=1e-06, div_mode=True) -> (y1, y2, x_out): 1-8 dims, no empty tensors, fp16/bf16 (bf16 on
+      A2/A3); y1 = round(rms_norm(x1 + x2) * gamma (+ beta) / scales1 + zero_points1) per channel (div_mode=True;
+      x * scales1 otherwise), int8; scales2 / zero_points2 must be None (y2 is then empty).
+  npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True) -> int8 codes of input per channel along
+      axis (scales/zero_points [D] or [1]), torch.qint8 only here.
+  npu_trans_quant_param(scale, offset=None) -> int64: each fp32 scale's bit pattern (the fp16 output's scale).
+  Static rows of npu_quant_matmul (no pertoken_scale): output bf16 with scale fp32, output fp16 with scale int64
+      (npu_trans_quant_param); an int32 bias is added to the int32 accumulator before dequantisation.
   npu_swiglu(input, dim=-1) -> swish(A) * B for the halves A, B of input along dim: 1-8 dims, dim's size
       even, contiguous, not empty, fp32/fp16/bf16; Atlas A2/A3.
   npu_rotary_mul(input, r1, r2, rotary_mode="half") -> r1 * input + r2 * rotate_half(input): 4-D,
@@ -121,6 +130,8 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
         _check(_a2_a3(), "npu_quant_matmul: pertoken_scale is not supported on this chip")
         _check(pertoken_scale.dtype == torch.float32 and tuple(pertoken_scale.shape) == (m,),
                f"npu_quant_matmul: pertoken_scale must be float32 [{m}]")
+    if pertoken_scale is None:
+        return _static_quant_matmul(x1, x2, scale, bias, output_dtype, n)
     rows = {torch.bfloat16: ({torch.float32, torch.bfloat16}, {torch.int32, torch.bfloat16, torch.float32}),
             torch.float16: ({torch.float32}, {torch.int32, torch.float16, torch.float32})}
     _check(output_dtype in rows and pertoken_scale is not None, "npu_quant_matmul: only the documented "
@@ -131,6 +142,60 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     _check(bias is None or bias.dtype != torch.int32, "npu_quant_matmul: an int32 bias is not modelled here")
     return OPS["quant_matmul"].golden(x1, x2.transpose(-1, -2), pertoken_scale, scale.float().expand(n), bias,
                                   output_dtype)
+
+
+def _static_quant_matmul(x1, x2, scale, bias, output_dtype, n):
+    """npu_quant_matmul without pertoken_scale: bf16 output with an fp32 scale, fp16 output with an int64 one; an
+    int32 bias added to the accumulator."""
+    wanted = {torch.bfloat16: torch.float32, torch.float16: torch.int64}
+    _check(output_dtype in wanted, f"npu_quant_matmul: output {output_dtype} without pertoken_scale is not modelled")
+    _check(scale.dtype == wanted[output_dtype], f"npu_quant_matmul: scale {scale.dtype} with output {output_dtype}")
+    _check(output_dtype != torch.bfloat16 or _a2_a3(), "npu_quant_matmul: bfloat16 output on A2/A3 only")
+    _check(bias is None or (bias.dtype == torch.int32 and tuple(bias.shape) == (n,)), "npu_quant_matmul: bias int32 [n]")
+    if scale.dtype == torch.int64:  # npu_trans_quant_param's encoding: the fp32 bit pattern
+        scale = scale.to(torch.int32).view(torch.float32)
+    return OPS["quant_matmul_static"].golden(x1, x2.transpose(-1, -2), scale.expand(n), bias, output_dtype)
+
+
+def _per_channel(n, scales, zero_points, div_mode):
+    v = n / scales.float() if div_mode else n * scales.float()
+    if zero_points is not None:
+        v = v + zero_points.float()
+    return torch.round(v).clamp(-128, 127).to(torch.int8)
+
+
+def npu_add_rms_norm_quant(x1, x2, gamma, scales1, zero_points1=None, beta=None, scales2=None, zero_points2=None, *,
+                           axis=-1, epsilon=1e-06, div_mode=True):
+    calls.append("npu_add_rms_norm_quant")
+    _check(1 <= x1.dim() <= 8 and x1.shape == x2.shape, "npu_add_rms_norm_quant: x1/x2 must match, 1-8 dims")
+    _check(x1.numel() > 0, "npu_add_rms_norm_quant: empty tensors are not supported")
+    _check(x1.dtype in (torch.float16, torch.bfloat16), "npu_add_rms_norm_quant: fp16/bf16 only")
+    _check(_a2_a3() or x1.dtype != torch.bfloat16, "npu_add_rms_norm_quant: no bfloat16 on this chip")
+    _check(scales2 is None and zero_points2 is None, "npu_add_rms_norm_quant: scales2/zero_points2 must be None")
+    _check(axis == -1, "npu_add_rms_norm_quant: axis must be -1")
+    D = x1.shape[-1]
+    for name, t in (("gamma", gamma), ("scales1", scales1), ("zero_points1", zero_points1), ("beta", beta)):
+        _check(t is None or (t.dtype == x1.dtype and t.shape in ((D,), (1,))), f"{name} must be [D] of x1's dtype")
+    x_out = x1 + x2
+    y1 = _per_channel(normalise(x_out, gamma, beta, epsilon), scales1, zero_points1, div_mode)
+    return y1, torch.empty(0, dtype=torch.int8), x_out
+
+
+def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
+    calls.append("npu_quantize")
+    _check(dtype == torch.qint8, f"npu_quantize: dtype {dtype} is not modelled here (torch.qint8)")
+    _check(input.numel() > 0, "npu_quantize: empty tensors are not supported")
+    _check(axis in (-1, input.dim() - 1), "npu_quantize: only the last axis is modelled here")
+    D = input.shape[-1]
+    _check(scales.shape in ((D,), (1,)) and (zero_points is None or zero_points.shape == scales.shape),
+           "npu_quantize: scales/zero_points must be [D] or [1]")
+    return _per_channel(input.float(), scales, zero_points, div_mode)
+
+
+def npu_trans_quant_param(scale, offset=None):
+    calls.append("npu_trans_quant_param")
+    _check(scale.dtype == torch.float32 and offset is None, "npu_trans_quant_param: fp32 scale, no offset here")
+    return scale.view(torch.int32).to(torch.int64)
 
 
 def npu_swiglu(input, dim=-1):

@@ -42,6 +42,13 @@ def quantise(n, qmax, qmin):
     return pypto.cast(pypto.cast(q, pypto.DT_FP16), pypto.DT_INT8), s
 
 
+def quantise_static(n, scale, offset):
+    """Static per-tensor int8 (ops/quantize.py quantize_static): clip(round(n / scale + offset)), scale and offset
+    [1, D] fp32 rows; rounded in fp32 before the integer cast (via fp16, exact for |q| <= 128)."""
+    q = pypto.clip(pypto.round(n / scale + offset), -128.0, 127.0)
+    return pypto.cast(pypto.cast(q, pypto.DT_FP16), pypto.DT_INT8)
+
+
 def quant_input(x, g, beta, eps, inv_d):
     """The quant ops' fp32 normalisation: x / rms(x) * gamma + beta (SPEC 2.3)."""
     xf = f32(x)

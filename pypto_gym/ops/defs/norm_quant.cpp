@@ -1,14 +1,15 @@
-// rms_norm_dynamic_quant and add_rms_norm_dynamic_quant (defs/norm_quant.py): the norm, the optional
-// beta and smooth scales, and per-row symmetric quantisation in one pass per row.
+// rms_norm_dynamic_quant, add_rms_norm_dynamic_quant, rms_norm_quant and add_rms_norm_quant (defs/norm_quant.py):
+// the norm, the optional beta and smooth scales, and the quantisation (per row, or static) in one pass per row.
 #include "common.h"
 
 namespace {
 
-// ---- dynamic quantisation: n = x / rms(x) * gamma (+ beta); branch k: n * smooth_k; per-row scale.
-template <class X>
-void quant_impl(const at::Tensor& x, const at::Tensor* x2, at::Tensor* xo, const at::Tensor& g,
-                const at::Tensor* beta, const at::Tensor* s1, const at::Tensor* s2, double eps, float qmax,
-                float qmin, at::Tensor& y1, at::Tensor* y2, at::Tensor& sc1, at::Tensor* sc2) {
+// ---- n = x / rms(x) * gamma (+ beta) per row (of x, or of x_out = x + x2 written on the way); branch k of
+// the row handed to emit(k, row, values): n * smooth_k, or n itself without a smooth scale. The dynamic ops emit
+// per-row scales and codes, the static ones codes under one fixed scale.
+template <class X, class Emit>
+void norm_rows(const at::Tensor& x, const at::Tensor* x2, at::Tensor* xo, const at::Tensor& g, const at::Tensor* beta,
+               const at::Tensor* s1, const at::Tensor* s2, int branches, double eps, Emit emit) {
   using T = typename X::T;
   const int64_t D = x.size(-1), R = x.numel() / D;
   auto xp = reinterpret_cast<const T*>(x.data_ptr());
@@ -18,9 +19,6 @@ void quant_impl(const at::Tensor& x, const at::Tensor* x2, at::Tensor* xo, const
   auto bp = beta ? reinterpret_cast<const T*>(beta->data_ptr()) : nullptr;
   const T* sp[2] = {s1 ? reinterpret_cast<const T*>(s1->data_ptr()) : nullptr,
                     s2 ? reinterpret_cast<const T*>(s2->data_ptr()) : nullptr};
-  int8_t* yp[2] = {y1.data_ptr<int8_t>(), y2 ? y2->data_ptr<int8_t>() : nullptr};
-  float* scp[2] = {sc1.data_ptr<float>(), sc2 ? sc2->data_ptr<float>() : nullptr};
-  const int branches = y2 ? 2 : 1;
   const float feps = (float)eps;
   at::parallel_for(0, R, grain_for(D), [&](int64_t begin, int64_t end) {
     std::unique_ptr<float[]> n(new float[D]), m(new float[D]);
@@ -41,7 +39,7 @@ void quant_impl(const at::Tensor& x, const at::Tensor* x2, at::Tensor* xo, const
           for (int64_t i = 0; i < D; ++i) m[i] = n[i] * X::load(sp[b][i]);
           src = m.get();
         }
-        scp[b][row] = quantize_row(src, D, qmax, qmin, yp[b] + row * D);
+        emit(b, row, src);
       }
     }
   });
@@ -72,18 +70,50 @@ std::vector<c10::optional<at::Tensor>> quant_entry(const at::Tensor& x_in, const
     sc2 = at::empty(rows, f32);
   }
   if (x.numel() > 0) {
+    int8_t* yp[2] = {y1.data_ptr<int8_t>(), y2.defined() ? y2.data_ptr<int8_t>() : nullptr};
+    float* scp[2] = {sc1.data_ptr<float>(), sc2.defined() ? sc2.data_ptr<float>() : nullptr};
+    auto emit = [&](int b, int64_t row, const float* v) {
+      scp[b][row] = quantize_row(v, D, (float)qmax, (float)qmin, yp[b] + row * D);
+    };
     dispatch_dtype(x.scalar_type(), [&](auto xt) {
-      quant_impl<decltype(xt)>(x, x2.defined() ? &x2 : nullptr, xo.defined() ? &xo : nullptr, g,
-                               beta.defined() ? &beta : nullptr, s1.defined() ? &s1 : nullptr,
-                               s2.defined() ? &s2 : nullptr, eps, (float)qmax, (float)qmin, y1,
-                               y2.defined() ? &y2 : nullptr, sc1, sc2.defined() ? &sc2 : nullptr);
+      norm_rows<decltype(xt)>(x, x2.defined() ? &x2 : nullptr, xo.defined() ? &xo : nullptr, g,
+                              beta.defined() ? &beta : nullptr, s1.defined() ? &s1 : nullptr,
+                              s2.defined() ? &s2 : nullptr, y2.defined() ? 2 : 1, eps, emit);
     });
   }
   auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
   return {y1, opt(y2), opt(xo), sc1, opt(sc2)};
 }
+// rms_norm_quant / add_rms_norm_quant (x2 given): codes under one static scale and offset (fp32 scalars read
+// once per call), and x_out for the add form.
+std::vector<c10::optional<at::Tensor>> quant_static_entry(const at::Tensor& x_in,
+                                                          const c10::optional<at::Tensor>& x2_in,
+                                                          const at::Tensor& gamma,
+                                                          const c10::optional<at::Tensor>& beta_in, double eps,
+                                                          double scale, double offset) {
+  const int64_t D = x_in.size(-1);
+  at::Tensor x = x_in.contiguous(), g = gamma.reshape({D}).contiguous(), x2, xo, beta;
+  if (x2_in.has_value()) {
+    x2 = x2_in->contiguous();
+    xo = at::empty(x.sizes(), x.options());
+  }
+  if (beta_in.has_value()) beta = beta_in->reshape({D}).contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  if (x.numel() > 0) {
+    int8_t* yp = y.data_ptr<int8_t>();
+    auto emit = [&](int, int64_t row, const float* v) {
+      quantize_row_static(v, D, (float)scale, (float)offset, yp + row * D);
+    };
+    dispatch_dtype(x.scalar_type(), [&](auto xt) {
+      norm_rows<decltype(xt)>(x, x2.defined() ? &x2 : nullptr, xo.defined() ? &xo : nullptr, g,
+                              beta.defined() ? &beta : nullptr, nullptr, nullptr, 1, eps, emit);
+    });
+  }
+  return {y, xo.defined() ? c10::optional<at::Tensor>(xo) : c10::nullopt};
+}
 }  // namespace
 
 PG_KERNELS(norm_quant) {
   m.def("quant", &quant_entry, "rms_norm_dynamic_quant / add_rms_norm_dynamic_quant (x2 given)");
+  m.def("quant_static", &quant_static_entry, "rms_norm_quant / add_rms_norm_quant (x2 given)");
 }

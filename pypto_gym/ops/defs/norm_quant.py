@@ -1,4 +1,5 @@
-"""rms_norm_dynamic_quant and add_rms_norm_dynamic_quant (SPEC 2.3, 2.4): RMSNorm + per-row int8/int4.
+"""rms_norm_dynamic_quant and add_rms_norm_dynamic_quant (SPEC 2.3, 2.4): RMSNorm + per-row int8/int4;
+rms_norm_quant and add_rms_norm_quant (SPEC 15): RMSNorm + static per-tensor int8.
 
 fp32 math: n = f32(x) / rms(f32(x)) * f32(gamma) (+ f32(beta)); with a smooth scale n = n * f32(smooth);
 scale = row_max(|n|) / qmax (fp32, shape x.shape[:-1]); y = clamp(round(n / scale), qmin, qmax), round
@@ -9,11 +10,11 @@ branch's outputs are None. Quantised outputs have no gradient.
 """
 import torch
 
-from ..args import ArgValueError, Choice, Float, Output, Tensor
+from ..args import FLOAT_DTYPES, ArgValueError, Choice, Float, Output, Tensor, dtype_name
 from ..backends.npu import as_rows, quant_limits
 from ..backends.pypto_backend import first_runs_here, rows, vector
 from ..op import Op
-from ..quantize import DST_TYPES, QUANT_RANGES, quantize_rows, unpack_int4_from_int32
+from ..quantize import DST_TYPES, QUANT_RANGES, quantize_rows, quantize_static, unpack_int4_from_int32
 
 
 def normalise(x, gamma, beta, eps):
@@ -48,6 +49,17 @@ def add_rms_norm_dynamic_quant(x1, x2, gamma, smooth_scale1=None, smooth_scale2=
     return y1, y2, x_out, s1, s2
 
 
+def rms_norm_quant(x, gamma, scale, offset=None, beta=None, eps=1e-6):
+    """RMSNorm (+beta) in fp32 then static per-tensor int8 under `scale` and `offset` -> y int8. No gradient."""
+    return quantize_static(normalise(x, gamma, beta, eps), scale, offset)
+
+
+def add_rms_norm_quant(x1, x2, gamma, scale, offset=None, beta=None, eps=1e-6):
+    """aclnnAddRmsNormQuant: x_out = x1 + x2 (input dtype), y = rms_norm_quant of x_out -> (y, x_out)."""
+    x_out = x1 + x2
+    return quantize_static(normalise(x_out, gamma, beta, eps), scale, offset), x_out
+
+
 def _second_needs_first(ctx, *args):
     if ctx.values.get("smooth_scale2") is not None and ctx.values.get("smooth_scale1") is None:
         raise ArgValueError("smooth_scale2", "given without smooth_scale1; expected smooth_scale1 too (or neither)",
@@ -64,6 +76,18 @@ EXAMPLES = ({"R": (3, 5), "D": 33}, {"R": (4,), "D": 2049, "dst_type": "int4"},
             {"R": (3,), "D": 8, "smooth_scales": None, "smooth_scale1": None, "smooth_scale2": None})
 EPS = Float("eps", default=1e-6, low=0.0, low_open=True)
 DST_TYPE = Choice("dst_type", DST_TYPES, default="int8", kw_only=True)
+
+def _static_scale(shape, gen):  # a norm's output spans about +-4: 255 steps of 0.02-0.04 hold it
+    return 0.02 + 0.02 * torch.rand(shape, generator=gen)
+
+
+def _static_offset(shape, gen):  # an asymmetric range's integer zero point
+    return torch.randint(-16, 17, shape, generator=gen).to(torch.float32)
+
+
+# the static scale and offset: one value each (any float dtype; the offset also int8), read as fp32
+STATIC_SCALE = Tensor("scale", "1", floats=True, flat=True, gen=_static_scale)
+STATIC_OFFSET = Tensor("offset", "1", (torch.int8, *FLOAT_DTYPES), optional=True, flat=True, gen=_static_offset)
 
 RMS_NORM_DYNAMIC_QUANT = Op(rms_norm_dynamic_quant, [
     Tensor("x", "*R D", case="hidden_states"),
@@ -85,6 +109,27 @@ ADD_RMS_NORM_DYNAMIC_QUANT = Op(add_rms_norm_dynamic_quant, [
     Output("scale1", "scale"), Output("scale2", "scale", present_if="smooth_scale2")],
     check=_second_needs_first, min_dims={"D": 1}, examples=EXAMPLES)
 
+STATIC_EXAMPLES = ({"R": (3, 5), "D": 33}, {"R": (4,), "D": 2049, "offset": None},
+                   {"R": (2,), "D": 64, "dtype": torch.float16, "beta": None},
+                   {"R": (7,), "D": 8, "dtype": torch.float32})
+
+RMS_NORM_QUANT = Op(rms_norm_quant, [
+    Tensor("x", "*R D", case="hidden_states"),
+    _vector("gamma", "x", "weight", optional=False, case="weight"),
+    STATIC_SCALE, STATIC_OFFSET,
+    _vector("beta", "x", "small"),
+    EPS,
+], [Output("y", "codes")], min_dims={"D": 1}, examples=STATIC_EXAMPLES)
+
+ADD_RMS_NORM_QUANT = Op(add_rms_norm_quant, [
+    Tensor("x1", "*R D"),
+    Tensor("x2", "*R D", None, like="x1"),
+    _vector("gamma", "x1", "weight", optional=False),
+    STATIC_SCALE, STATIC_OFFSET,
+    _vector("beta", "x1", "small"),
+    EPS,
+], [Output("y", "codes"), Output("x_out")], min_dims={"D": 1}, examples=STATIC_EXAMPLES)
+
 
 # ---- cpu: fused C++ (norm_quant.cpp) ---------------------------------------------------------------
 @RMS_NORM_DYNAMIC_QUANT.impl("cpu")
@@ -96,6 +141,21 @@ def _(backend, x, gamma, smooth_scales, beta, eps, dst_type):
 @ADD_RMS_NORM_DYNAMIC_QUANT.impl("cpu")
 def _(backend, x1, x2, gamma, smooth_scale1, smooth_scale2, beta, eps, dst_type):
     return tuple(backend.ext.quant(x1, x2, gamma, smooth_scale1, smooth_scale2, beta, eps, *QUANT_RANGES[dst_type]))
+
+
+def static_scalars(scale, offset) -> tuple:
+    """The static scale and offset as the fp32 values the golden computes with (one host read each)."""
+    return float(scale.reshape(()).to(torch.float32)), 0.0 if offset is None else float(offset.reshape(()).float())
+
+
+@RMS_NORM_QUANT.impl("cpu")
+def _(backend, x, gamma, scale, offset, beta, eps):
+    return backend.ext.quant_static(x, None, gamma, beta, eps, *static_scalars(scale, offset))[0]
+
+
+@ADD_RMS_NORM_QUANT.impl("cpu")
+def _(backend, x1, x2, gamma, scale, offset, beta, eps):
+    return tuple(backend.ext.quant_static(x1, x2, gamma, beta, eps, *static_scalars(scale, offset)))
 
 
 # ---- npu: torch_npu.npu_add_rms_norm_dynamic_quant --------------------------------------------------
@@ -219,3 +279,114 @@ def _(backend, x1, x2, gamma, smooth_scale1, smooth_scale2, beta, eps, dst_type)
                            [y1.view(-1, D), x_out.view(-1, D), s1.view(-1, 1)], scalars, align=32)
     return y1, y2, x_out, s1, s2
 
+
+
+# ---- npu: torch_npu.npu_add_rms_norm_quant -----------------------------------------------------------
+# npu_add_rms_norm_quant(x1, x2, gamma, scales1, zero_points1, beta, scales2, zero_points2, *, axis=-1, epsilon,
+# div_mode=True) -> (y1, y2, x_out): x = x1 + x2, y1 = round(rms_norm(x) * gamma (+ beta) / scales1 + zero_points1)
+# with div_mode=True (our rule); scales2 must be None; 1-8 dims, no empty tensors, fp16 (bf16 on A2/A3). The scale
+# and offset go in as vllm-ascend passes them (its w8a8 static path: aclnn_input_scale, aclnn_input_offset):
+# repeated to D, in x's dtype; a scale or offset that x's dtype does not hold exactly is declined, never rounded.
+# rms_norm_quant is the same op with x2 = 0 (x + 0 == x exactly).
+STATIC_NAME = "npu_add_rms_norm_quant"
+
+
+def exact_in(t, dtype) -> bool:
+    """Whether `t` holds the same values in `dtype` (int8 codes always do in fp16/bf16)."""
+    return t is None or t.dtype in (dtype, torch.int8) or torch.equal(t.to(dtype).to(t.dtype), t)
+
+
+def npu_static_supports(name, backend, x, scale, offset) -> str | None:
+    """The limits torch_npu's static quant ops share (npu_add_rms_norm_quant, npu_quantize), or None."""
+    if not x.numel():
+        return f"{name}: empty tensors are not supported"
+    if x.dim() > 8:
+        return f"{name}: rank {x.dim()} > 8"
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return f"{name}: dtype {dtype_name(x.dtype)} not supported (float16, bfloat16)"
+    if x.dtype == torch.bfloat16 and backend.series_of(x) != "a2_a3":
+        return f"{name}: bfloat16 is supported on Atlas A2/A3 chips only"
+    for arg, t in (("scale", scale), ("offset", offset)):
+        if not exact_in(t, x.dtype):
+            return f"{name}: {arg} {dtype_name(t.dtype)} is not exact in x's {dtype_name(x.dtype)}"
+    return None
+
+
+def npu_static_params(x, scale, offset):
+    """scale and offset as torch_npu's static quant ops take them: repeated to D, in x's dtype."""
+    D = x.shape[-1]
+    zero = torch.zeros(1, dtype=x.dtype, device=x.device) if offset is None else offset
+    return scale.reshape(1).to(x.dtype).expand(D).contiguous(), zero.reshape(1).to(x.dtype).expand(D).contiguous()
+
+
+def _npu_add_static(backend, x1, x2, gamma, scale, offset, beta, eps):
+    scales, zeros = npu_static_params(x1, scale, offset)
+    D = x1.shape[-1]
+    y, _, x_out = backend.torch_npu().npu_add_rms_norm_quant(
+        as_rows(x1), as_rows(x2), gamma.reshape(D), scales, zeros, beta=None if beta is None else beta.reshape(D),
+        epsilon=eps, div_mode=True)
+    return y.reshape(x1.shape), x_out.reshape(x1.shape)
+
+
+@RMS_NORM_QUANT.impl("npu", supports=lambda backend, x, gamma, scale, offset, *rest:
+                     npu_static_supports(STATIC_NAME, backend, x, scale, offset))
+def _(backend, x, gamma, scale, offset, beta, eps):
+    return _npu_add_static(backend, x, torch.zeros_like(x), gamma, scale, offset, beta, eps)[0]
+
+
+ADD_RMS_NORM_QUANT.impl("npu", supports=lambda backend, x1, x2, gamma, scale, offset, *rest:
+                        npu_static_supports(STATIC_NAME, backend, x1, scale, offset))(_npu_add_static)
+
+
+# ---- pypto: the static scale and offset as [1, D] fp32 rows (what torch_npu's repeat to D is) --------------
+def static_rows(scale, offset, D, like):
+    """The static scale and offset as [1, D] fp32 kernel inputs: runtime values, one kernel for every scale."""
+    zero = torch.zeros(1) if offset is None else offset
+    return [t.reshape(1, 1).to(device=like.device, dtype=torch.float32).expand(1, D).contiguous()
+            for t in (scale, zero)]
+
+
+def static_kernel(pypto):
+    from ..backends import pypto_lib as pl
+
+    def rms_norm_quant(x: pypto.Tensor(), g: pypto.Tensor(), beta: pypto.Tensor(), scale: pypto.Tensor(),
+                       offset: pypto.Tensor(), y: pypto.Tensor(), eps, inv_d, rows, cols):
+        pypto.set_vec_tile_shapes(rows, cols)
+        y[:] = pl.quantise_static(pl.quant_input(x, g, beta, eps, inv_d), scale, offset)
+    return rms_norm_quant
+
+
+def add_static_kernel(pypto):
+    from ..backends import pypto_lib as pl
+
+    def add_rms_norm_quant(x1: pypto.Tensor(), x2: pypto.Tensor(), g: pypto.Tensor(), beta: pypto.Tensor(),
+                           scale: pypto.Tensor(), offset: pypto.Tensor(), y: pypto.Tensor(), x_out: pypto.Tensor(),
+                           eps, inv_d, rows, cols):
+        pypto.set_vec_tile_shapes(rows, cols)
+        s = pypto.add(x1, x2)
+        y[:] = pl.quantise_static(pl.quant_input(s, g, beta, eps, inv_d), scale, offset)
+        x_out[:] = s
+    return add_rms_norm_quant
+
+
+@RMS_NORM_QUANT.impl("pypto", supports=first_runs_here)
+def _(backend, x, gamma, scale, offset, beta, eps):
+    y = RMS_NORM_QUANT.empty_outputs(x, gamma, scale, offset, beta, eps)
+    if x.numel():
+        D = x.shape[-1]
+        backend.launch("rms_norm_quant", static_kernel, x,
+                       [rows(x), vector(gamma, D, x, 1.0), vector(beta, D, x, 0.0), *static_rows(scale, offset, D, x)],
+                       [y.view(-1, D)], [float(eps), 1.0 / D], align=32)
+    return y
+
+
+@ADD_RMS_NORM_QUANT.impl("pypto", supports=first_runs_here)
+def _(backend, x1, x2, gamma, scale, offset, beta, eps):
+    y, x_out = ADD_RMS_NORM_QUANT.empty_outputs(x1, x2, gamma, scale, offset, beta, eps)
+    if x1.numel():
+        D = x1.shape[-1]
+        backend.launch("add_rms_norm_quant", add_static_kernel, x1,
+                       [rows(x1), rows(x2), vector(gamma, D, x1, 1.0), vector(beta, D, x1, 0.0),
+                        *static_rows(scale, offset, D, x1)],
+                       [y.view(-1, D), x_out.view(-1, D)], [float(eps), 1.0 / D], align=32)
+    return y, x_out

@@ -56,6 +56,44 @@ at::Tensor dequant_entry(const at::Tensor& acc_in, const at::Tensor& xs_in, cons
   return out;
 }
 
+// ---- static W8A8 epilogue: y = T(float(acc + quant_bias[col]) * deq_scale[col]): the integer sum in int64
+// (exact), one conversion (round to nearest even, as the golden's float64 -> float32), one multiply.
+template <class O>
+void dequant_static_impl(const int32_t* acc, const float* ds, const int32_t* qb, typename O::T* out, int64_t M,
+                         int64_t N) {
+  at::parallel_for(0, M, grain_for(N), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t* a = acc + r * N;
+      typename O::T* o = out + r * N;
+      for (int64_t i = 0; i < N; ++i) {
+        const int64_t v = (int64_t)a[i] + (qb ? (int64_t)qb[i] : 0);
+        o[i] = O::store((float)v * ds[i]);
+      }
+    }
+  });
+}
+
+at::Tensor dequant_static_entry(const at::Tensor& acc_in, const at::Tensor& ds_in,
+                                const c10::optional<at::Tensor>& qb_in, at::ScalarType out_t) {
+  TORCH_CHECK(acc_in.dim() == 2 && acc_in.scalar_type() == at::kInt, "dequant_static: acc must be int32 [M, N]");
+  const int64_t M = acc_in.size(0), N = acc_in.size(1);
+  at::Tensor acc = acc_in.contiguous(), ds = ds_in.reshape({N}).contiguous(), qb;
+  TORCH_CHECK(ds.scalar_type() == at::kFloat, "dequant_static: deq_scale must be float32");
+  if (qb_in.has_value()) {
+    qb = qb_in->reshape({N}).contiguous();
+    TORCH_CHECK(qb.scalar_type() == at::kInt, "dequant_static: quant_bias must be int32");
+  }
+  at::Tensor out = at::empty({M, N}, acc.options().dtype(out_t));
+  if (M * N == 0) return out;
+  dispatch_dtype(out_t, [&](auto ot) {
+    using O = decltype(ot);
+    dequant_static_impl<O>(acc.data_ptr<int32_t>(), ds.data_ptr<float>(),
+                           qb.defined() ? qb.data_ptr<int32_t>() : nullptr,
+                           reinterpret_cast<typename O::T*>(out.data_ptr()), M, N);
+  });
+  return out;
+}
+
 // ---- int8 x int8 -> int32 GEMM for CPUs without int8 dot products (no VNNI / AMX), where torch._int_mm has no
 // fast path: out[m][n] = sum_k x[m][k] * w[n][k], exact. Both operands are widened to int16 and multiplied by
 // vpmaddwd (int16 pairs -> int32: a pair of int8 products is at most 2 * 128 * 128, no saturation, unlike
@@ -172,5 +210,6 @@ at::Tensor int8_gemm_entry(const at::Tensor& x_in, const at::Tensor& w_in) {
 
 PG_KERNELS(quant_matmul) {
   m.def("dequant", &dequant_entry, "W8A8 epilogue: (acc * x_scale) * w_scale (+ bias), as out dtype");
+  m.def("dequant_static", &dequant_static_entry, "static W8A8 epilogue: float(acc + quant_bias) * deq_scale");
   m.def("int8_gemm", &int8_gemm_entry, "x int8 [M, K] @ w int8 [N, K]^T -> int32 [M, N], exact (int16 madd)");
 }

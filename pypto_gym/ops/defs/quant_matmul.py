@@ -1,10 +1,17 @@
-"""quant_matmul: the W8A8 linear, int8 x int8 with exact integer accumulation, dequantised (SPEC 8).
+"""quant_matmul: the W8A8 linear, int8 x int8 with exact integer accumulation, dequantised (SPEC 8);
+quant_matmul_static: its static form (SPEC 15).
 
 y = fp32(x_q @ w_q^T, accumulated exactly) * x_scale[..., None] * w_scale (+ bias), cast to out_dtype.
 x_q int8 [..., K] with per-row scales x_scale [...] (what the quant ops emit); w_q int8 [N, K] with
 per-output-channel scales w_scale [N]; bias [N] in a float dtype or None. The order of the epilogue
 (one fp32 conversion, the per-row scale, the per-channel scale, the bias in fp32, one cast) is the
 one every backend follows. No gradient.
+
+The static form is msModelSlim's W8A8 linear as vllm-ascend runs it (npu_quant_matmul with deq_scale and
+an int32 bias): y = fp32(x_q @ w_q^T + quant_bias) * deq_scale, cast to out_dtype, where x_q are codes under
+one static scale s_x and offset o, w_q per-channel codes under w_scale, deq_scale = s_x * w_scale (fp32
+[N]) and quant_bias = rint(bias / deq_scale) - o * sum_k w_q[n, k] (int32 [N]): the offset's correction
+and the float bias folded into one integer added to the exact integer product before the one conversion.
 """
 from __future__ import annotations
 
@@ -42,6 +49,16 @@ def quant_matmul(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16
     return y.to(out_dtype).reshape(*x_q.shape[:-1], N)
 
 
+def quant_matmul_static(x_q, w_q, deq_scale, quant_bias=None, out_dtype=torch.bfloat16):
+    """Static W8A8 linear: fp32(x_q @ w_q^T + quant_bias, an exact integer) * deq_scale as out_dtype."""
+    K, N = x_q.shape[-1], w_q.shape[0]
+    acc = exact_product(x_q.reshape(-1, K), w_q)
+    if quant_bias is not None:
+        acc = acc + quant_bias.to(torch.float64)
+    y = acc.to(torch.float32) * deq_scale.to(torch.float32)
+    return y.to(out_dtype).reshape(*x_q.shape[:-1], N)
+
+
 def _k_in_range(ctx, *args):
     K = ctx.dims["K"]
     if not 0 < K <= MAX_K:
@@ -58,6 +75,18 @@ QUANT_MATMUL = Op(quant_matmul, [
 ], [Output("y")], check=_k_in_range,
     examples=({"R": (2, 7), "K": 300, "N": 24}, {"R": (1,), "K": 2048, "N": 64, "out_dtype": torch.float32},
               {"R": (17,), "K": 16, "N": 8, "bias": None, "out_dtype": torch.float16}))
+
+
+QUANT_MATMUL_STATIC = Op(quant_matmul_static, [
+    Tensor("x_q", "*R K", (torch.int8,), gen="int8"),
+    Tensor("w_q", "N K", (torch.int8,), gen="int8"),
+    Tensor("deq_scale", "N", (torch.float32,), gen="scale"),
+    Tensor("quant_bias", "N", (torch.int32,), optional=True,
+           gen=lambda shape, g: torch.randint(-2 ** 20, 2 ** 20, shape, generator=g).to(torch.float32)),
+    DType("out_dtype", default=torch.bfloat16, kw_only=True),
+], [Output("y")], check=_k_in_range,
+    examples=({"R": (2, 7), "K": 300, "N": 24}, {"R": (1,), "K": 2048, "N": 64, "out_dtype": torch.float32},
+              {"R": (17,), "K": 16, "N": 8, "quant_bias": None, "out_dtype": torch.float16}))
 
 
 def int32_gemm(x_q, w_q):
@@ -140,6 +169,15 @@ def _(backend, x_q, w_q, x_scale, w_scale, bias, out_dtype):
     return backend.ext.dequant(acc, x_scale, w_scale, bias, out_dtype).reshape(*x_q.shape[:-1], N)
 
 
+@QUANT_MATMUL_STATIC.impl("cpu")
+def _(backend, x_q, w_q, deq_scale, quant_bias, out_dtype):
+    """The exact int32 GEMM (`fastest_int32_gemm`), then the golden's epilogue as one C++ pass (quant_matmul.cpp):
+    the bias added to the accumulator in int64, one conversion, the multiply."""
+    K, N = x_q.shape[-1], w_q.shape[0]
+    acc = fastest_int32_gemm(backend, x_q.reshape(-1, K), w_q)
+    return backend.ext.dequant_static(acc, deq_scale, quant_bias, out_dtype).reshape(*x_q.shape[:-1], N)
+
+
 # npu_quant_matmul(x1, x2, scale, *, offset, pertoken_scale, bias, output_dtype): x1 = int8 rows [M, K],
 # x2 = the int8 weight as [K, N] (a transposed view of our [N, K]), scale = the per-channel fp32 scales,
 # pertoken_scale = the per-row fp32 scales (A2/A3 chips only), a float bias added after dequantisation,
@@ -166,5 +204,30 @@ def _(backend, x_q, w_q, x_scale, w_scale, bias, out_dtype):
     return y.reshape(*x_q.shape[:-1], N)
 
 
+# The static form as vllm-ascend's W8A8 method calls it: npu_quant_matmul(x, w^T, deq_scale, bias=quant_bias
+# (int32), output_dtype). bf16 output takes the fp32 deq_scale (A2/A3); fp16 output takes it as int64, converted
+# by npu_trans_quant_param (what msModelSlim stores for fp16 models).
+def _npu_static_supports(backend, x_q, w_q, deq_scale, quant_bias, out_dtype):
+    name = "npu_quant_matmul"
+    if not x_q.numel() or not w_q.numel():
+        return f"{name}: empty tensors are not supported"
+    if out_dtype not in HALF:
+        return f"{name}: output_dtype {dtype_name(out_dtype)} not supported with an int32 bias (float16, bfloat16)"
+    if out_dtype == torch.bfloat16 and backend.series_of(x_q) != "a2_a3":
+        return f"{name}: bfloat16 output is supported on Atlas A2/A3 chips only"
+    return None
+
+
+@QUANT_MATMUL_STATIC.impl("npu", supports=_npu_static_supports)
+def _(backend, x_q, w_q, deq_scale, quant_bias, out_dtype):
+    tnpu = backend.torch_npu()
+    K, N = x_q.shape[-1], w_q.shape[0]
+    scale = deq_scale if out_dtype == torch.bfloat16 else tnpu.npu_trans_quant_param(deq_scale)
+    y = tnpu.npu_quant_matmul(x_q.reshape(-1, K), w_q.t(), scale, bias=quant_bias, output_dtype=out_dtype)
+    return y.reshape(*x_q.shape[:-1], N)
+
+
+QUANT_MATMUL_STATIC.not_on("pypto", "quant_matmul_static is not provided: PyPTO 0.2.0's int8 pypto.matmul verifies "
+                                    "only with the whole K in one cube tile, which a hidden size of 2048 overflows")
 QUANT_MATMUL.not_on("pypto", "quant_matmul is not provided: PyPTO 0.2.0's int8 pypto.matmul runs on the cube unit, "
                              "whose tiling and SIM verification this backend does not have yet")

@@ -439,6 +439,23 @@ inline float quantize_row(const float* v, int64_t n, float qmax, float qmin, int
   return scale;
 }
 
+// Static per-tensor quantisation (the golden's quantize_static): codes = clamp(rint(v / scale + offset)), the
+// division and the add rounding separately in fp32, half to even, NaN -> 0.
+__attribute__((optimize("fp-contract=off"))) inline void quantize_row_static(const float* v, int64_t n, float scale,
+                                                                            float offset, int8_t* out) {
+  int64_t i = 0;
+#ifdef PG_SIMD
+  const V vs = vset(scale), vo = vset(offset), hi = vset(127.f), lo = vset(-128.f);
+  for (; i + W <= n; i += W)
+    vstore_i8(out + i, vminf(vmaxf(vnan_to_zero(vrint(vadd(vdiv(vgamma(v + i), vs), vo))), lo), hi));
+#endif
+  for (; i < n; ++i) {
+    float q = std::nearbyint(v[i] / scale + offset);
+    q = q != q ? 0.f : q;
+    out[i] = (int8_t)(q > 127.f ? 127.f : (q < -128.f ? -128.f : q));
+  }
+}
+
 // silu(g) = g / (1 + exp(-g)), in fp32, as torch's CPU kernel writes it (one value; W values: vsilu)
 inline float silu1(float g) { return g / (1.0f + std::exp(-g)); }
 #ifdef PG_SIMD
