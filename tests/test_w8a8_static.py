@@ -177,8 +177,8 @@ def test_the_static_scheme_needs_a_calibration_with_ranges(qwen3_calib, tmp_path
         meta = json.loads(f.metadata()["pypto_gym"])
     meta["format"] = "pypto_gym-smoothquant-3"
     save_file(tensors, str(old), metadata={"pypto_gym": json.dumps(meta, sort_keys=True)})
-    with pytest.raises(ValueError, match=r"a format 3 file holds no activation ranges, which quant='w8a8_static' "
-                                         r"needs; calibrate again"):
+    with pytest.raises(ValueError, match=r"holds no activation ranges \(smooth scales only\), which "
+                                         r"quant='w8a8_static' needs; calibrate again"):
         patch_model(model, backend="cpu", quant="w8a8_static", calibration=old)
     assert patch_model(model, backend="cpu", quant="w8a8", calibration=old).to_json()["w8a8"]["smoothing"]
     unpatch_model(model)

@@ -17,7 +17,9 @@ also as an "outlier" variant whose norms have a few gamma channels scaled 30-100
 activations have). Calibration and evaluation use different prompts. With a recipe
 (`float_linears`), a fourth column: SmoothQuant at alpha 0.5 with those linears kept in the model
 dtype. With `sensitivity`, each outlier model again once per kind of linear kept float (the linears
-reading one producer's rows go together): how much of the error each kind carries.
+reading one producer's rows go together): how much of the error each kind carries. Every calibrated row
+also runs the static scheme (quant="w8a8_static", msModelSlim's W8A8: per-tensor activation scales and
+offsets from the same calibration run) beside the dynamic one: its cosine and top-1 in the row's "static".
 """
 from __future__ import annotations
 
@@ -242,7 +244,12 @@ def run_accuracy(quick: bool, json_path, png_path, recipe=None, sensitivity: boo
                     with patched(model, backend="cpu", quant="w8a8", calibration=calib, float_linears=keep) as report:
                         got = _eval_logits(model, processor, eval_inputs)
                         s = report.to_json()["w8a8"]["summary"]
-                    rows.append(_row(model_name, variant, label, dtype, keep, s, compare(ref, got)))
+                    static = None  # the static scheme needs the calibration's ranges
+                    if calib is not None:
+                        with patched(model, backend="cpu", quant="w8a8_static", calibration=calib,
+                                     float_linears=keep):
+                            static = compare(ref, _eval_logits(model, processor, eval_inputs))
+                    rows.append(_row(model_name, variant, label, dtype, keep, s, compare(ref, got), static))
             if llmcompressor:
                 s, scores = _llm_compressor_run(llmcompressor, model, processor, calib_inputs, eval_inputs, ref, dtype)
                 rows.append(_row(model_name, variant, LLMC_LABEL, dtype, None, s, scores))
@@ -270,13 +277,16 @@ RECIPE = "alpha 0.5 + float_linears"
 LLMC_FIXTURE = Path(__file__).resolve().parent.parent.parent / "tests" / "fixtures" / "llmcompressor_w8a8"
 
 
-def _row(model_name, variant, label, dtype, keep, summary, scores) -> dict:
-    """One row of the accuracy table, printed as it is measured."""
+def _row(model_name, variant, label, dtype, keep, summary, scores, static=None) -> dict:
+    """One row of the accuracy table (the dynamic scheme; `static`: the static scheme's scores), printed as it is
+    measured."""
     row = {"model": model_name, "variant": variant, "smoothing": label, "dtype": dtype, "float_linears": keep,
-           "int8_linears": f"{summary['int8']}/{summary['linears']}", **scores}
+           "int8_linears": f"{summary['int8']}/{summary['linears']}", **scores, "static": static}
+    beside = ("static: needs a calibration" if static is None else
+              f"static: cosine {static['cosine_mean']:.5f} top-1 {static['top1_agreement'] * 100:5.1f}%")
     print(f"{model_name:<46} {variant:<9} {label:<28} {row['int8_linears']:>5} int8  "
           f"cosine mean {row['cosine_mean']:.5f} min {row['cosine_min']:.5f} "
-          f"top-1 {row['top1_agreement'] * 100:5.1f}% ({row['positions']} positions)", flush=True)
+          f"top-1 {row['top1_agreement'] * 100:5.1f}% ({row['positions']} positions) | {beside}", flush=True)
     return row
 
 

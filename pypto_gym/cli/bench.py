@@ -32,7 +32,9 @@ def add_parser(sub):
     b.add_argument("--quick", action="store_true", help="2 layers, 2 blocks, 2 rounds, 8 tokens")
     b.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="model dtype (default: bfloat16 on a CPU with AVX512-BF16 or AMX, else float32)")
-    b.add_argument("--quant", choices=["w8a8"], help="add a W8A8 variant (patched cpu, int8 linears)")
+    b.add_argument("--quant", choices=["w8a8", "w8a8_static"],
+                   help="add a W8A8 variant (patched cpu, int8 linears); w8a8_static: the static and the dynamic "
+                        "scheme, both calibrated on the bench's input")
     b.add_argument("--json", help=f"default: {BENCH_OUT}/e2e.json")
     b.add_argument("--png", help=f"default: {BENCH_OUT}/e2e.png")
     b.set_defaults(func=cmd_bench_e2e)

@@ -23,8 +23,8 @@ while the float model runs.
 The static scheme (msModelSlim's W8A8) also needs each source's range: the file holds, per source, the
 per-channel minimum and maximum of its rows (`<path>.act_min`, `<path>.act_max`, fp32 [D], before
 smoothing), from which `static_params` derives the per-tensor scale and offset of the smoothed rows for
-any smooth scale (min_j(min_j / s_j), max_j(max_j / s_j): 1/s is positive). Format 3 files (no ranges) still
-serve the dynamic scheme.
+any smooth scale (min_j(min_j / s_j), max_j(max_j / s_j): 1/s is positive). A file without ranges (format 3,
+or written without them) still serves the dynamic scheme.
 """
 from __future__ import annotations
 
@@ -230,13 +230,13 @@ def load(path, expected: dict, model_type: str | None = None, known=()) -> tuple
         raise ValueError(f"{where}: no tensor {missing[0] + SUFFIX!r} for {missing[0]} ({len(missing)} of "
                          f"{len(expected)} smooth scales missing; a file made for another model?)")
     ranges = {}
-    if info["format"] == FORMAT:
+    if bounds:  # a file holds every source's range or none (smooth scales only: the dynamic scheme's)
         for norm in sorted(expected):
             got = bounds.get(norm, {})
             lacking = [k for k in RANGE_SUFFIXES if k not in got]
             if lacking:
-                raise ValueError(f"{where}: no tensor {norm + lacking[0]!r} (format {FORMAT} holds every source's "
-                                 f"range)")
+                raise ValueError(f"{where}: no tensor {norm + lacking[0]!r} (the file holds other sources' ranges: "
+                                 f"it must hold every one)")
             ranges[norm] = (got[".act_min"], got[".act_max"])
     return out, sorted(set(ignored)), ranges
 

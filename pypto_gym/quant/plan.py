@@ -230,8 +230,8 @@ def install(model, state, scheme: str = "dynamic") -> QuantPlan:
         smooth, plan.calibration_ignored, ranges = calibration.load(
             calibration_path, expected, getattr(getattr(model, "config", None), "model_type", None), set(known))
         if scheme == "static" and not ranges:
-            raise ValueError(f"calibration {calibration_path}: a format 3 file holds no activation ranges, which "
-                             f"quant='w8a8_static' needs; calibrate again (pypto-gym calibrate)")
+            raise ValueError(f"calibration {calibration_path}: the file holds no activation ranges (smooth scales "
+                             f"only), which quant='w8a8_static' needs; calibrate again (pypto-gym calibrate)")
         if scheme == "static" and not loaded:
             unranged = sorted(p for p, _ in own if p not in ranges)  # the merger's mlp.2: no smoothing, no range
             plan.float_reasons.update({p: "the calibration file has no range for its input (static scheme)"
