@@ -370,6 +370,13 @@ def test_bench_pypto_and_bench_layer_run_and_write_their_json(tmp_path):
     for part in parts.values():
         assert part["totals"]["hf_kernels"] > 5 * part["totals"]["fused_kernels"] == 25
         assert part["gemms"]["kernels"] in (5, 7) and part["gemms"]["us"] >= part["gemms"]["weight_floor_us"] > 0
+    w8a8 = json.loads((tmp_path / "l.json").read_text())["w8a8"]
+    assert set(w8a8) == {"prefill", "decode"} and w8a8["decode"]["tokens"] == 1
+    for phase in w8a8.values():  # the four quant parts of a layer in each scheme, each a real estimate
+        assert [r["dynamic_op"] for r in phase["rows"]] == ["rms_norm_dynamic_quant", "add_rms_norm_dynamic_quant",
+                                                            "dynamic_quant", "swiglu_dynamic_quant"]
+        assert phase["rows"][3]["static_ops"] == ["swiglu", "static_quant"]
+        assert all(r["dynamic_us"] > 0 and r["static_us"] > 0 for r in phase["rows"])
 
 
 def test_each_call_that_compiles_says_so_on_stderr(capfd):

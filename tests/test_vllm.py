@@ -35,7 +35,8 @@ def calibrated_export(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     calib = tmp / "smooth.safetensors"
     assert cli_main(["calibrate", "--model", str(family.TINY_DIR), "--max-new-tokens", "2", "--out", str(calib)]) == 0
-    for name, extra in (("default", []), ("released", ["--release-float-weights"])):
+    for name, extra in (("default", []), ("released", ["--release-float-weights"]),
+                        ("static", ["--quant", "w8a8_static"])):
         assert cli_main(["export", "--model", str(family.TINY_DIR), "--calibration", str(calib), *extra,
                          str(tmp / name)]) == 0
     return family, tmp
@@ -58,6 +59,24 @@ def test_vllm_serves_the_default_export_as_pypto_gym_runs_it(calibrated_export):
     got = compare.agreement(theirs, ours)
     print(f"{family.NAME}: {got}")
     # two engines' bf16 roundings: a near-tie may go either way (vLLM's own rule), logprobs within 4 bf16 ulps
+    assert got["close"], (got, theirs["outputs"], ours["outputs"])
+    assert got["max_logprob_diff_ulps"] <= 4 and got["max_topk_gap_ulps"] <= 4, got
+
+
+def test_vllm_serves_the_static_export_as_pypto_gym_runs_it(calibrated_export):
+    """The static scheme's compressed-tensors export (per-tensor static, asymmetric int8 inputs: input_scale and
+    input_zero_point) runs on vLLM's own W8A8 kernels (CompressedTensorsW8A8Int8 with a static, asymmetric input)
+    and generates pypto-gym's tokens by vLLM's rule."""
+    family, tmp = calibrated_export
+    config = json.loads((tmp / "static" / "config.json").read_text())
+    activations = config["quantization_config"]["config_groups"]["group_0"]["input_activations"]
+    assert (activations["strategy"], activations["dynamic"], activations["symmetric"]) == ("tensor", False, False)
+    prompts = _prompts(family)
+    theirs = compare.vllm_run(VLLM_PYTHON, tmp / "static", prompts, MAX_TOKENS)
+    ours = compare.own_run(tmp / "static", prompts, MAX_TOKENS)
+    assert theirs["quantization"] == "compressed-tensors" and ours["int8_linears"] == 28
+    got = compare.agreement(theirs, ours)
+    print(f"{family.NAME} static: {got}")
     assert got["close"], (got, theirs["outputs"], ours["outputs"])
     assert got["max_logprob_diff_ulps"] <= 4 and got["max_topk_gap_ulps"] <= 4, got
 

@@ -278,13 +278,66 @@ def test_a_malformed_static_checkpoint_is_refused_naming_the_tensor(static_expor
         export.load(out, backend="cpu")
 
 
+# ---- compressed-tensors' static int8 -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ct_static_export(static_export, tmp_path_factory):
+    model, batch, ours, _ = static_export
+    out = tmp_path_factory.mktemp("ct_static") / "qwen3_w8a8"
+    export.save(model, out, _qwen3()[2], "compressed-tensors")
+    return batch, ours, out
+
+
+def test_the_compressed_tensors_static_export_has_its_layout(ct_static_export):
+    """input activations per tensor, static, asymmetric; per int8 linear weight int8, weight_scale fp32 [n, 1],
+    input_scale [1] in the model dtype, input_zero_point int8 [1]: what vLLM's CompressedTensorsW8A8Int8 reads."""
+    _, _, out = ct_static_export
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    act = group["input_activations"]
+    assert (act["strategy"], act["dynamic"], act["symmetric"], act["num_bits"]) == ("tensor", False, False, 8)
+    assert group["weights"]["strategy"] == "channel"
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors[f"{Q}.input_scale"].dtype == torch.bfloat16 and tuple(tensors[f"{Q}.input_scale"].shape) == (1,)
+    assert tensors[f"{Q}.input_zero_point"].dtype == torch.int8 and tuple(tensors[f"{Q}.input_zero_point"].shape) == (1,)
+    assert export.quant_mode_of(out) == "w8a8_static"
+
+
+def test_the_compressed_tensors_static_export_loads_back_and_transformers_agrees(ct_static_export):
+    from transformers import AutoModelForCausalLM
+
+    batch, ours, out = ct_static_export
+    loaded, _, _, report = export.load(out, backend="cpu")
+    assert report.to_json()["w8a8"]["scheme"] == "static"
+    got = _logits(loaded, batch)
+    assert float(torch.nn.functional.cosine_similarity(got.flatten(), ours.flatten(), dim=0)) > 0.99999
+    theirs = _logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16), batch)  # compressed-tensors
+    assert float(torch.nn.functional.cosine_similarity(theirs.flatten(), got.flatten(), dim=0)) > 0.999
+    assert torch.equal(theirs.argmax(-1), got.argmax(-1))
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda t: t.pop(f"{Q}.input_scale"), f"tensor '{Q}.input_scale' is missing"),
+    (lambda t: t.__setitem__(f"{Q}.input_zero_point", torch.tensor([1.5])),
+     f"tensor '{Q}.input_zero_point' is float32 \\[1\\]; expected one int8 value"),
+    (lambda t: t.__setitem__(f"{Q}.input_scale", torch.tensor([-1.0])), f"tensor '{Q}.input_scale' is float32"),
+])
+def test_a_malformed_compressed_tensors_static_checkpoint_is_refused(ct_static_export, tmp_path, edit, match):
+    out = tmp_path / "damaged"
+    shutil.copytree(ct_static_export[2], out)
+    tensors = load_file(str(out / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=match):
+        export.load(out, backend="cpu")
+
+
 def test_cli_exports_and_infers_a_static_checkpoint(qwen3_calib, tmp_path, capsys):
     family = models.FAMILIES["qwen3"]
     out = tmp_path / "ms"
     assert cli_main(["export", "--model", str(family.TINY_DIR), "--quant", "w8a8_static", "--format", "msmodelslim",
                      "--calibration", str(qwen3_calib), str(out)]) == 0
     assert "W8A8 static: weight int8, input_scale/input_offset, deq_scale, quant_bias" in capsys.readouterr().out
-    assert cli_main(["export", "--model", str(family.TINY_DIR), "--quant", "w8a8_static", str(tmp_path / "x")]) == 2
+    assert cli_main(["export", "--model", str(family.TINY_DIR), "--quant", "w8a8_static", "--format", "msmodelslim",
+                     str(tmp_path / "x")]) == 2
     assert "--quant w8a8_static: needs --calibration" in capsys.readouterr().err
     assert cli_main(["infer", "--model", str(out), "--use_pto", "--quant", "w8a8", "--max-new-tokens", "2"]) == 2
     assert "run it with --use_pto --quant w8a8_static" in capsys.readouterr().err

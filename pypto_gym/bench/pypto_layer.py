@@ -5,7 +5,8 @@ layer and one vision block, every non-GEMM kernel HF eager launches against pypt
 (each op's definition says, in its BenchSpec: RMSNorm's eight, swiglu's silu and mul, the rotary function's
 five per tensor, the vision function's casts), each as the PyPTO kernel it would be (pypto_kernels.py).
 `bench pypto` sums their estimates per captured case; `bench layer` adds the residual adds, counts launches per
-layer and per forward, and puts the layer's GEMMs beside them on a stated roofline (the same launches either way).
+layer and per forward, and puts the layer's GEMMs beside them on a stated roofline (the same launches either way);
+then a text layer's W8A8 quant kernels, the dynamic scheme's beside the static one's (msModelSlim's W8A8).
 PyPTO's estimates are AICore time: the launch of each kernel is not in them, so totals are also
 given with a stated per-launch cost.
 """
@@ -97,6 +98,26 @@ def _layer_calls(phase: str, S: int, dtype):
             ("MLP activation", "swiglu", (g, g, "hf")), ("residual add (MLP)", "add", (x, x))]
 
 
+def _w8a8_calls(S: int, dtype):
+    """[(part, (dynamic op, args), [(static op, args)...])]: a text layer's W8A8 quant kernels in each scheme; the
+    static MLP has no fused swiglu + quant (its activation is swiglu then static_quant: two kernels)."""
+    gen = torch.Generator().manual_seed(0)
+    D, I = 2048, 11008
+    x = torch.randn(1, S, D, generator=gen).to(dtype)
+    g = torch.randn(1, S, I, generator=gen).to(dtype)
+    gamma = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype)
+    smooth, smooth_i = (0.5 + torch.rand(D, generator=gen)).to(dtype), 0.5 + torch.rand(I, generator=gen)
+    scale, offset = torch.tensor([0.03], dtype=dtype), torch.tensor([3.0], dtype=dtype)
+    return [("input norm + quant", ("rms_norm_dynamic_quant", (x, gamma, smooth, None, 1e-6, "int8")),
+             [("rms_norm_quant", (x, gamma, scale, offset, None, 1e-6))]),
+            ("add + norm + quant", ("add_rms_norm_dynamic_quant", (x, x, gamma, smooth, None, None, 1e-6, "int8")),
+             [("add_rms_norm_quant", (x, x, gamma, scale, offset, None, 1e-6))]),
+            ("o_proj input quant", ("dynamic_quant", (x, smooth, "int8")),
+             [("static_quant", (x, scale, offset, None))]),
+            ("MLP activation + quant", ("swiglu_dynamic_quant", (g, g, smooth_i, "hf", "int8")),
+             [("swiglu", (g, g, "hf")), ("static_quant", (g, scale, offset, None))])]
+
+
 def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None) -> int:
     print(header("bench layer"))
     print(f"PyPTO SIM, Ascend 910B2 cost model: estimated AICore us per kernel (launch overhead not included; "
@@ -141,6 +162,23 @@ def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None) -> int:
                   f"({fu_us + lo * fu_n:.0f}-{fu_us + hi * fu_n:.0f} us); weight-read floor "
                   f"{n * gemms['weight_floor_us']:.0f} us")
         result["parts"][title] = {"rows": rows, "totals": tot, "per_forward": per_forward, "gemms": gemms}
+    result["w8a8"] = {}
+    for phase, tokens in (("prefill", S), ("decode", 1)):
+        rows = []
+        for label, (dyn_op, dyn_args), static in _w8a8_calls(tokens, torch.bfloat16):
+            rows.append({"part": label, "dynamic_op": dyn_op, "dynamic_us": fused_us(dyn_op, dyn_args),
+                         "static_ops": [op for op, _ in static],
+                         "static_us": sum(fused_us(op, args) for op, args in static)})
+        print(f"\nW8A8 quant kernels of a text layer, {phase} ({tokens} tokens): dynamic (per-token scales) vs "
+              f"static (msModelSlim's W8A8)\n{'part':<24} {'dynamic op':<28} {'us':>7} {'static op(s)':<28} "
+              f"{'us':>7} {'ratio':>6}")
+        for r in rows:
+            print(f"{r['part']:<24} {r['dynamic_op']:<28} {r['dynamic_us']:>7.1f} {' + '.join(r['static_ops']):<28} "
+                  f"{r['static_us']:>7.1f} {r['static_us'] / r['dynamic_us']:>5.2f}x")
+        dyn, sta = sum(r["dynamic_us"] for r in rows), sum(r["static_us"] for r in rows)
+        print(f"{'per text layer':<24} {len(rows):>28} {dyn:>7.1f} {sum(len(r['static_ops']) for r in rows):>28} "
+              f"{sta:>7.1f} {sta / dyn:>5.2f}x")
+        result["w8a8"][phase] = {"tokens": tokens, "rows": rows, "dynamic_us": dyn, "static_us": sta}
     if json_path:
         write_json(json_path, result)
         print(f"\nJSON written to {json_path}")

@@ -1,7 +1,8 @@
 """`pypto-gym export`: the model patched in W8A8 mode, written as a compressed-tensors or an msModelSlim
 checkpoint (int8 weights + per-channel scales, config, tokenizer/processor, generation config); a
---calibration's smoothing is folded into the weights (quant/fold.py). --quant w8a8_static writes msModelSlim's
-W8A8 (static activation scales and offsets, deq_scale, quant_bias), which needs --calibration."""
+--calibration's smoothing is folded into the weights (quant/fold.py). --quant w8a8_static writes the static scheme
+(msModelSlim's W8A8: activation scales and offsets, deq_scale, quant_bias; or compressed-tensors' static int8),
+which needs --calibration."""
 from __future__ import annotations
 
 from . import common
@@ -12,8 +13,9 @@ def add_parser(sub):
     common.add_model_args(p, random_weights=True)
     p.add_argument("--format", choices=["compressed-tensors", "msmodelslim"], default="compressed-tensors")
     p.add_argument("--quant", choices=["w8a8", "w8a8_static"], default="w8a8",
-                   help="w8a8: per-token dynamic activations (W8A8_DYNAMIC); w8a8_static: msModelSlim's W8A8, static "
-                        "per-tensor activation scales from --calibration (--format msmodelslim)")
+                   help="w8a8: per-token dynamic activations (W8A8_DYNAMIC); w8a8_static: static per-tensor activation "
+                        "scales and offsets from --calibration (msModelSlim's W8A8, or compressed-tensors' static "
+                        "int8 with an input_zero_point)")
     p.add_argument("--calibration", default=None,
                    help="smooth scales from `calibrate`, folded into the checkpoint (default: no smoothing)")
     p.add_argument("--float-linears", default=None,
@@ -37,9 +39,9 @@ def run(args) -> int:
     family = common.model_family(args)
     if args.calibration is not None and not Path(args.calibration).is_file():
         raise common.UserError(f"--calibration: no file at {args.calibration}")
-    if args.quant == "w8a8_static" and (args.calibration is None or args.format != "msmodelslim"):
-        raise common.UserError("--quant w8a8_static: needs --calibration (its activation ranges) and --format "
-                               "msmodelslim (msModelSlim's W8A8 is the static scheme's format)")
+    if args.quant == "w8a8_static" and args.calibration is None:
+        raise common.UserError("--quant w8a8_static: needs --calibration (the static scales come from its activation "
+                               "ranges)")
     float_linears = common.parse_float_linears(args.float_linears)
     try:
         out = export.check_out_dir(args.out)  # before the model is loaded and quantised, not after
@@ -54,8 +56,10 @@ def run(args) -> int:
     s = report.to_json()["w8a8"]["summary"]
     head = ("lm_head float (in the ignore list: what vLLM and vllm-ascend load)" if wrote["lm_head"] == "float" else
             f"lm_head int8 (--int8-lm-head: {export.LM_HEAD_CONSUMERS[args.format]})")
-    kind = ("W8A8 static: weight int8, input_scale/input_offset, deq_scale, quant_bias"
-            if args.quant == "w8a8_static" else "weight int8 + weight_scale fp32 per output channel")
+    kind = "weight int8 + weight_scale fp32 per output channel"
+    if args.quant == "w8a8_static":
+        kind = ("W8A8 static: weight int8, input_scale/input_offset, deq_scale, quant_bias" if args.format ==
+                "msmodelslim" else "static: weight int8 + weight_scale, input_scale + input_zero_point per tensor")
     print(f"{args.format} checkpoint written to {out}: {len(wrote['int8'])} int8 linears ({kind}), "
           f"{len(wrote['ignore'])} float ({', '.join(wrote['ignore'][:3])}"
           f"{', ...' if len(wrote['ignore']) > 3 else ''}); {head}; {s['int8_weight_bytes'] / 2 ** 20:.1f} MB of int8 "

@@ -38,16 +38,21 @@ from .plan import output_embedding
 FORMAT = "compressed-tensors"
 
 
-def quantization_config(ignore: list[str]) -> dict:
-    """The `quantization_config` of config.json: one group, every nn.Linear not in `ignore`."""
+def quantization_config(ignore: list[str], static: bool = False) -> dict:
+    """The `quantization_config` of config.json: one group, every nn.Linear not in `ignore`; input activations
+    int8 per token and dynamic, or (`static`) per tensor, static and asymmetric (`input_scale` and
+    `input_zero_point` per linear: what llm-compressor writes for a static int8 recipe, vLLM's
+    CompressedTensorsW8A8Int8 with a static, asymmetric input)."""
     int8 = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "block_structure": None,
             "actorder": None, "observer": None, "observer_kwargs": {}}
+    activations = ({**int8, "symmetric": False, "strategy": "tensor", "dynamic": False, "observer": "minmax"}
+                   if static else {**int8, "strategy": "token", "dynamic": True})
     return {
         "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
         "config_groups": {"group_0": {
             "targets": ["Linear"], "format": "int-quantized", "output_activations": None,
             "weights": {**int8, "strategy": "channel", "dynamic": False, "observer": "minmax"},
-            "input_activations": {**int8, "strategy": "token", "dynamic": True},
+            "input_activations": activations,
         }},
         "ignore": sorted(ignore), "kv_cache_scheme": None, "global_compression_ratio": None,
     }
@@ -97,9 +102,6 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> 
                          "are what is written)")
     out = check_out_dir(out_dir)
     static = plan.scheme == "static"
-    if static and format != "msmodelslim":
-        raise ValueError(f"export: format {format!r} with a model patched with quant='w8a8_static'; the static scheme "
-                         f"is written as 'msmodelslim' (W8A8)")
     factors = _smoothing_factors(model, plan)  # refused here, before anything is written, if one cannot fold
     tensors = {}
     int8, ignore, tied = [], [], []
@@ -119,12 +121,15 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> 
             tensors[f"{ql.path}.weight_offset"] = torch.zeros_like(scale)
             if ql.module.bias is not None:
                 tensors[f"{ql.path}.bias"] = ql.module.bias.detach().to(torch.float32)
-        if static:
+        if static and format == "msmodelslim":
             dtype = ql.module.weight.dtype
             tensors[f"{ql.path}.input_scale"] = ql.static[0].reshape(1).to(dtype).clone()
             tensors[f"{ql.path}.input_offset"] = ql.static[1].reshape(1).to(dtype).clone()
             tensors[f"{ql.path}.deq_scale"] = ql.deq_base.to(torch.float32).clone()  # folded below, as it runs
             tensors[f"{ql.path}.quant_bias"] = ql.quant_bias.clone()
+        elif static:  # compressed-tensors: the scale in the model dtype, the zero point int8
+            tensors[f"{ql.path}.input_scale"] = ql.static[0].reshape(1).to(ql.module.weight.dtype).clone()
+            tensors[f"{ql.path}.input_zero_point"] = ql.static[1].reshape(1).to(torch.int8).clone()
     ignore += [r["path"] for r in plan.float_linears]
     state_dict = {k: v for k, v in model.state_dict().items() if not v.is_meta}
     state_dict.update(tensors)
@@ -132,6 +137,8 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> 
     if missing:
         raise ValueError(f"export: {missing[0]} has no data (released and not an int8 weight)")
     for name, f in factors.items():  # each output channel (dim 0) times its folded 1/s, rounded once
+        if name.endswith(".deq_scale") and name not in state_dict:  # compressed-tensors has none: weight_scale
+            continue
         t = state_dict[name]
         state_dict[name] = (t.float() * f.to(t.device).view(-1, *[1] * (t.dim() - 1))).to(t.dtype)
     if static:
@@ -148,7 +155,7 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> 
         if format == "compressed-tensors":
             config_path = tmp / "config.json"
             config = json.loads(config_path.read_text())
-            config["quantization_config"] = quantization_config(ignore)
+            config["quantization_config"] = quantization_config(ignore, static)
             config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         else:
             from safetensors import safe_open
@@ -262,15 +269,18 @@ _SCHEME = {  # every field of a config group the kernels depend on, and the one 
     "weights": {**_INT8, "strategy": "channel", "dynamic": False, "actorder": None},
     "input_activations": {**_INT8, "strategy": "token", "dynamic": True, "actorder": None},
 }
+# the static scheme's input activations: per tensor, static, symmetric (no zero point) or not
+_STATIC_INPUT = {**_INT8, "strategy": "tensor", "dynamic": False, "actorder": None}
 _FREE = {"observer", "observer_kwargs", "scale_dtype", "zp_dtype"}  # how it was calibrated or stored: not ours to run
 _EMPTY_OR_NONE = ("kv_cache_scheme", "sparsity_config", "transform_config")
 
 
-def _check_scheme(where: str, qc) -> None:
-    """The one scheme the fused kernels run: int8 symmetric per-channel weights, int8 symmetric dynamic per-token
-    activations, `int-quantized`, Linear targets, no output activations, KV-cache scheme, sparsity or transform.
-    Every field is checked: one the loader does not know, or a value other than this scheme's, is refused naming
-    the field (a field silently ignored would run another scheme as this one)."""
+def _check_scheme(where: str, qc) -> bool:
+    """The schemes the fused kernels run: int8 symmetric per-channel weights, int8 activations either symmetric
+    dynamic per token or static per tensor (symmetric or not: returns True for static), `int-quantized`, Linear
+    targets, no output activations, KV-cache scheme, sparsity or transform. Every field is checked: one the loader
+    does not know, or a value other than these schemes', is refused naming the field (a field silently ignored would
+    run another scheme as this one)."""
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
         raise ValueError(f"{where}: quantization_config.quant_method "
                          f"{None if not isinstance(qc, dict) else qc.get('quant_method')!r}; expected 'compressed-tensors'")
@@ -298,16 +308,23 @@ def _check_scheme(where: str, qc) -> None:
     unknown = sorted(set(group) - {"format", "targets", "output_activations", *_SCHEME})
     if unknown:
         raise ValueError(f"{where}: config_groups.{name}.{unknown[0]} is a field the loader does not know")
+    activations = group.get("input_activations")
+    static = isinstance(activations, dict) and activations.get("dynamic") is False
     for label, fields in _SCHEME.items():
         got = group.get(label)
         if not isinstance(got, dict):
             raise ValueError(f"{where}: config_groups.{name}.{label} is {got!r}; expected an object")
+        if label == "input_activations" and static:
+            fields = {**_STATIC_INPUT, "symmetric": got.get("symmetric")} if got.get("symmetric") in (True, False) \
+                else _STATIC_INPUT
         for key in sorted(set(got) - set(fields) - _FREE):
             raise ValueError(f"{where}: config_groups.{name}.{label}.{key} is a field the loader does not know")
         for key, value in fields.items():
             if got.get(key, None if value is None else "absent") != value:
                 raise ValueError(f"{where}: config_groups.{name}.{label}.{key} is {got.get(key, 'absent')!r}; expected "
-                                 f"{value!r} (W8A8: int8 per-channel weights, int8 dynamic per-token activations)")
+                                 f"{value!r} (W8A8: int8 per-channel weights, int8 activations dynamic per token or "
+                                 f"static per tensor)")
+    return static
 
 
 def _check_description(where: str, description: dict, tensors: dict) -> str:
@@ -397,11 +414,16 @@ def int8_format(path) -> str | None:
 
 def quant_mode_of(path) -> str:
     """The patch_model quant mode an int8 checkpoint runs in: "w8a8_static" for msModelSlim's W8A8, else "w8a8"."""
+    path = Path(path)
     try:
-        described = read_json(Path(path) / MSMODELSLIM_JSON, str(path)).get("model_quant_type")
-    except (OSError, ValueError):
+        if (path / MSMODELSLIM_JSON).is_file():
+            return "w8a8_static" if read_json(path / MSMODELSLIM_JSON, str(path)).get("model_quant_type") == \
+                W8A8_STATIC else "w8a8"
+        groups = read_json(path / "config.json", str(path))["quantization_config"]["config_groups"]
+        static = any(g["input_activations"]["dynamic"] is False for g in groups.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "w8a8"
-    return "w8a8_static" if described == W8A8_STATIC else "w8a8"
+    return "w8a8_static" if static else "w8a8"
 
 
 def _model_dtype(where: str, config: dict, dtype: str):
@@ -432,16 +454,17 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
     where = f"checkpoint {path}"
     config_json = read_json(path / "config.json", where)
     tensors = _read_tensors(path, where)
-    kind = W8A8_DYNAMIC
+    kind, ct_static = W8A8_DYNAMIC, False
     if (path / MSMODELSLIM_JSON).exists():
         kind = _check_description(where, read_json(path / MSMODELSLIM_JSON, where), tensors)
     else:
-        _check_scheme(where, config_json.get("quantization_config"))
+        ct_static = _check_scheme(where, config_json.get("quantization_config"))
     family = models.family(config_json.get("model_type"))
     torch_dtype = _model_dtype(where, config_json, dtype)
     tensors = _module_names(tensors, family)
     sidecar = read_json(path / SIDECAR, where) if (path / SIDECAR).exists() else {}
-    static = _static_tensors(where, tensors) if kind == W8A8_STATIC else {}
+    static = _static_tensors(where, tensors) if kind == W8A8_STATIC else \
+        _input_scales(where, tensors) if ct_static else {}
     scales = {k[:-len(".weight_scale")] for k in tensors if k.endswith(".weight_scale")}
     stored = {}
     for lin in sorted(scales):
@@ -460,6 +483,8 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
             if lin not in static:
                 raise ValueError(f"{where}: tensor '{lin}.deq_scale' is missing (a W8A8 static int8 linear has "
                                  f"{', '.join(STATIC_TENSORS)})")
+            if len(static[lin]) == 2:  # compressed-tensors: the epilogue is derived from the scales and the bias
+                continue
             deq, qb = static[lin][2:]
             for n, t in (("deq_scale", deq), ("quant_bias", qb)):
                 if tuple(t.shape) != (w.shape[0],):
@@ -579,6 +604,28 @@ def _static_tensors(where: str, tensors: dict) -> dict:
         if f"{lin}.weight_scale" not in tensors and f"{lin}.weight" in tensors:
             tensors[f"{lin}.weight_scale"] = deq / scale.to(torch.float32).reshape(())
         out[lin] = (scale.reshape(1), offset.reshape(1), deq, qb)
+    return out
+
+
+def _input_scales(where: str, tensors: dict) -> dict:
+    """{linear: (input_scale [1], input_zero_point [1])} of a compressed-tensors checkpoint with static per-tensor
+    input activations, popped and checked (a missing scale, one that is not finite and > 0, a zero point that is
+    not an int8 value) naming the tensor; a symmetric scheme's missing zero point is 0."""
+    out = {}
+    for lin in sorted(k[:-len(".weight_scale")] for k in tensors if k.endswith(".weight_scale")):
+        scale, zp = tensors.pop(f"{lin}.input_scale", None), tensors.pop(f"{lin}.input_zero_point", None)
+        name = f"{where}: tensor '{lin}."
+        if scale is None:
+            raise ValueError(f"{name}input_scale' is missing (static input activations: one scale per linear)")
+        if not scale.is_floating_point() or scale.numel() != 1 or not (torch.isfinite(scale).all() and
+                                                                       float(scale) > 0):
+            raise ValueError(f"{name}input_scale' is {str(scale.dtype).replace('torch.', '')} {list(scale.shape)}; "
+                             f"expected one finite float value > 0")
+        zp = torch.zeros(1, dtype=torch.int8) if zp is None else zp
+        if zp.numel() != 1 or zp.is_floating_point() or not -128 <= int(zp) <= 127:
+            raise ValueError(f"{name}input_zero_point' is {str(zp.dtype).replace('torch.', '')} {list(zp.shape)}; "
+                             f"expected one int8 value")
+        out[lin] = (scale.reshape(1), zp.reshape(1))
     return out
 
 
