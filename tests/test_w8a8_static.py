@@ -355,3 +355,57 @@ def test_the_static_scheme_compiles_as_eager_runs(qwen3_calib):
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
     assert torch.equal(_logits(compiled, batch), eager)
+
+
+# ---- a recipe found by measurement (quant/tune.py) -------------------------------------------------------------
+def test_tune_finds_the_fewest_float_groups_for_the_target_and_patch_model_runs_its_recipe(tmp_path):
+    """On the tiny Qwen3 with activation outliers and a target the all-int8 model misses: the groups go float most
+    sensitive first until the target is met; the recipe file holds them and its alphas; patch_model with it as the
+    calibration keeps them float and reproduces the measured cosine; an explicit float_linears wins."""
+    from pypto_gym.bench.w8a8_bench import inject_outliers
+    from pypto_gym.inference import generate
+    from pypto_gym.quant import tune
+
+    family = models.FAMILIES["qwen3"]
+    model, processor = family.load(family.TINY_DIR, "bfloat16", "cpu")
+    inject_outliers(model)
+    held_out = [processor([p], None, None) for p in tune.HELD_OUT_PROMPTS]
+
+    def evaluate():
+        with torch.inference_mode():
+            return [model(**b, logits_to_keep=tune.KEEP_POSITIONS).logits[0].float() for b in held_out]
+
+    def calibrate():
+        generate(model, processor, list(family.CALIBRATION_PROMPTS[:2]), [None, None], 2)
+
+    out = tmp_path / "recipe.safetensors"
+    report = tune.tune(model, evaluate, calibrate, 0.9995, "static", out=out, log=lambda line: None)
+    trail = report["trail"]
+    assert trail[0]["float"] == [] and trail[0]["cosine"] < 0.9995  # the target needs float groups here
+    assert report["met"] and report["cosine"] >= 0.9995 and report["float_groups"] == trail[-1]["float"]
+    worst = [min(report["alone"][k].values()) for k in report["float_groups"]]
+    assert worst == sorted(worst)  # the most sensitive group first
+    assert all(trail[i]["cosine"] < 0.9995 for i in range(len(trail) - 1))  # stopped at the first that met it
+    assert 0.0 < report["decoder_int8_share"] < 1.0
+    assert set(report["alpha"].values()) <= set(tune.ALPHAS)
+    recipe = calibration.recipe_of(out)
+    assert recipe["float_linears"] == report["float_linears"] and recipe["scheme"] == "static"
+    ref = evaluate()
+    patched_report = patch_model(model, backend="cpu", quant="w8a8_static", calibration=out)
+    rows = {r["path"]: r for r in patched_report.to_json()["w8a8"]["linears"]}
+    assert all(rows[p]["became"] == "bfloat16" for p in report["float_linears"])
+    assert patched_report.to_json()["w8a8"]["recipe"]["float_linears"] == report["float_linears"]
+    got = evaluate()
+    unpatch_model(model)
+    assert tune._cosine(ref, got) == report["cosine"]  # what it measured is what the recipe runs
+    with_own = patch_model(model, backend="cpu", quant="w8a8_static", calibration=out,
+                           float_linears="text.lm_head")  # an explicit float_linears wins over the recipe's
+    assert all(r["became"] == "w8a8" for r in with_own.to_json()["w8a8"]["linears"]
+               if r["path"] in report["float_linears"])
+    unpatch_model(model)
+
+
+def test_cli_tune_refuses_a_target_outside_zero_to_one(capsys, tmp_path):
+    assert cli_main(["tune", "--model", str(models.FAMILIES["qwen3"].TINY_DIR), "--target-cosine", "1.5", "--out",
+                     str(tmp_path / "r.safetensors")]) == 2
+    assert "--target-cosine: got 1.5; expected a cosine in (0, 1]" in capsys.readouterr().err

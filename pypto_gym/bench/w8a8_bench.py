@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from .. import hardware, ops
+from ..quant import tune
 from .timing import goal_line, header, interleaved_medians, save_plot, write_json
 
 LLMC_LABEL = "llm-compressor SmoothQuant 0.5"  # its recipe on the bench's model and calibration inputs
@@ -159,11 +160,10 @@ def _plot_gemm(plt, results):
 
 
 # ---- accuracy -----------------------------------------------------------------------------------
-EVAL_PROMPTS = ["What does the image say?", "Give the text of this picture.", "Summarise the page.",
-                "List the words you can see."]
+EVAL_PROMPTS = list(tune.HELD_OUT_PROMPTS)
 OUTLIER_FACTORS = (30.0, 50.0, 70.0, 100.0)
 SMOOTHING = (None, 0.5, 0.75)  # no smoothing, SmoothQuant's default alpha, a stronger migration
-KEEP_POSITIONS = 16  # logits compared at the last positions of each input (a full vocab per position is large)
+KEEP_POSITIONS = tune.KEEP_POSITIONS
 
 
 def inject_outliers(model) -> int:
@@ -250,12 +250,22 @@ def run_accuracy(quick: bool, json_path, png_path, recipe=None, sensitivity: boo
                                      float_linears=keep):
                             static = compare(ref, _eval_logits(model, processor, eval_inputs))
                     rows.append(_row(model_name, variant, label, dtype, keep, s, compare(ref, got), static))
+            if variant == "outliers":  # the recipe found by measurement (quant/tune.py), in each scheme
+                for scheme in ("dynamic", "static"):
+                    rows.append(_tuned_row(model_name, model, processor, calib_inputs, eval_inputs, ref, dtype,
+                                           scheme))
             if llmcompressor:
                 s, scores = _llm_compressor_run(llmcompressor, model, processor, calib_inputs, eval_inputs, ref, dtype)
                 rows.append(_row(model_name, variant, LLMC_LABEL, dtype, None, s, scores))
     if not llmcompressor:
         rows += _llm_compressor_rows(processor, eval_inputs, dtype)
     goals = []
+    for r in rows:
+        if r["smoothing"].startswith(TUNED):
+            goals.append(goal_line(r["cosine_mean"] >= 0.99, f"{r['model']}, outliers, {r['smoothing']}: cosine "
+                                                             f"{r['cosine_mean']:.4f} (goal >= 0.99) with "
+                                                             f"{r['decoder_int8_share'] * 100:.1f}% of the decoder's "
+                                                             f"linear weight bytes int8"))
     for model_name in builders:
         pick = {(r["variant"], r["smoothing"]): r for r in rows if r["model"] == model_name}
         n = pick[("outliers", _label(None))]
@@ -274,6 +284,29 @@ def run_accuracy(quick: bool, json_path, png_path, recipe=None, sensitivity: boo
 
 
 RECIPE = "alpha 0.5 + float_linears"
+TUNED = "tuned recipe"
+
+
+def _tuned_row(model_name, model, processor, calib_inputs, eval_inputs, ref, dtype, scheme) -> dict:
+    """`pypto-gym tune`'s recipe for this model (target 0.99) in `scheme`, run on the bench's held-out inputs."""
+    from ..inference import generate, open_image
+    from ..patching import patched
+
+    def calibrate():
+        for prompt, image in calib_inputs:
+            generate(model, processor, [prompt], [open_image(image)], 2)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = Path(tmp) / "recipe.safetensors"
+        found = tune.tune(model, lambda: _eval_logits(model, processor, eval_inputs), calibrate, 0.99, scheme,
+                          out=recipe, log=lambda line: None)
+        mode = "w8a8_static" if scheme == "static" else "w8a8"
+        with patched(model, backend="cpu", quant=mode, calibration=recipe) as report:
+            scores = compare(ref, _eval_logits(model, processor, eval_inputs))
+            s = report.to_json()["w8a8"]["summary"]
+    row = _row(model_name, "outliers", f"{TUNED} ({scheme})", dtype, found["float_groups"] or None, s, scores)
+    row["decoder_int8_share"] = found["decoder_int8_share"]
+    return row
 LLMC_FIXTURE = Path(__file__).resolve().parent.parent.parent / "tests" / "fixtures" / "llmcompressor_w8a8"
 
 

@@ -1,6 +1,6 @@
 """The `pypto-gym` command: bring a HuggingFace model to fused kernels, check them, measure them.
 
-One module per subcommand (infer, capture, calibrate, export, cases, bench, make_tiny); scripts/*.py are
+One module per subcommand (infer, capture, calibrate, tune, export, cases, bench, make_tiny); scripts/*.py are
 thin aliases of the same subcommands. Exit status: 0 success (benchmarks: every goal met), 1 a case
 failed or was not run (benchmarks: a goal missed), 2 bad usage or input (one line on stderr, no
 traceback; PYPTO_GYM_DEBUG=1 shows it), 130 interrupted.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import bench, calibrate, capture, cases, export, infer, make_tiny
+from . import bench, calibrate, capture, cases, export, infer, make_tiny, tune
 from .common import Parser, UserError
 
 DESCRIPTION = """Patch a HuggingFace model (Qwen2.5-VL / GutenOCR-3B, Qwen2-VL, Qwen3, Llama) with fused kernels
@@ -25,7 +25,7 @@ EPILOG = """examples:
 environment: USE_PTO_RMS_NORM, PYPTO_GYM_BACKEND, PYPTO_GYM_SITES, PYPTO_GYM_FUSE_RESIDUAL, PYPTO_GYM_STRICT,
 PYPTO_GYM_CACHE (see README)."""
 
-COMMANDS = (infer, capture, calibrate, export, cases, bench, make_tiny)
+COMMANDS = (infer, capture, calibrate, tune, export, cases, bench, make_tiny)
 
 
 def build_parser() -> Parser:

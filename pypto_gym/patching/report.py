@@ -111,6 +111,10 @@ def _w8a8_lines(q: dict) -> list[str]:
              f"int8 rows handed over x{s['handed_over']}, quantised in the linear x{s['quantized_here']}, "
              f"fallbacks={s['fallbacks']}; weights of the int8 linears {s['float_weight_bytes'] / 2 ** 20:.1f} MB "
              f"float -> {s['int8_weight_bytes'] / 2 ** 20:.1f} MB int8 " + _float_copies(s)]
+    if q.get("recipe"):
+        r = q["recipe"]
+        lines.append(f"recipe (pypto-gym tune, {r['scheme']} scheme): {len(r['float_linears'])} linears float, per-source "
+                     f"alpha; measured cosine {r['cosine']:.5f} for a target of {r['target_cosine']}")
     if q.get("int8_gemm"):
         lines.append(f"int8 GEMM on this CPU: {q['int8_gemm']}")
     if q.get("speed_note"):

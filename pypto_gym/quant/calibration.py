@@ -153,15 +153,18 @@ def static_params(act_min: torch.Tensor, act_max: torch.Tensor, inv_smooth, dtyp
     return scale, offset
 
 
-def save(path, scales: dict, alpha: float, model_type: str, inputs: list[str], ranges: dict | None = None) -> None:
+def save(path, scales: dict, alpha: float, model_type: str, inputs: list[str], ranges: dict | None = None,
+         recipe: dict | None = None) -> None:
     """Write a calibration file (atomically, deterministic bytes): the smooth scales, and `ranges` {path: (min,
-    max)} where given."""
+    max)} where given; `recipe` (quant/tune.py: float_linears, scheme, the cosine it reached) in its metadata."""
     from safetensors.torch import save
 
     from .. import files
 
     info = {"format": FORMAT, "alpha": float(alpha), "model_type": str(model_type), "inputs": list(inputs),
             "norms": len(scales)}
+    if recipe is not None:
+        info["recipe"] = recipe
     # one metadata key: safetensors writes its metadata map in hash order, which would vary between runs
     metadata = {META_KEY: json.dumps(info, sort_keys=True)}
     tensors = {f"{p}{SUFFIX}": scales[p] for p in sorted(scales)}
@@ -239,6 +242,26 @@ def load(path, expected: dict, model_type: str | None = None, known=()) -> tuple
                                  f"it must hold every one)")
             ranges[norm] = (got[".act_min"], got[".act_max"])
     return out, sorted(set(ignored)), ranges
+
+
+def recipe_of(path) -> dict | None:
+    """The recipe a calibration file holds (`tune` wrote it), or None; its float_linears checked to be a list of
+    names (the patch then checks them against the model)."""
+    from safetensors import SafetensorError, safe_open
+
+    where = f"calibration {path}"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError, RuntimeError):
+        return None  # load() refuses the file, naming the problem
+    recipe = _metadata(where, metadata).get("recipe")
+    if recipe is None:
+        return None
+    floats = recipe.get("float_linears") if isinstance(recipe, dict) else None
+    if not isinstance(floats, list) or not all(isinstance(p, str) and p for p in floats):
+        raise ValueError(f"{where}: metadata recipe.float_linears is {floats!r}; expected a list of linear paths")
+    return recipe
 
 
 def _metadata(where: str, metadata: dict) -> dict:

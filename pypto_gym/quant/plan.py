@@ -6,7 +6,7 @@ a norm none of whose linears is found stays a float norm, with the reason in the
 patched SwiGLU MLPs, whose down_proj reads the fused swiglu + quant's rows. The linears whose input
 no fused op produces (o_proj, the vision attn.proj, the merger's linears: W8A8_OWN_INPUT) quantise
 it themselves with `dynamic_quant`, smoothed by their own calibrated scale (where it can fold into a
-checkpoint: quant/fold.py), in the parts of the model (text, vision) that have producers. Every other
+checkpoint: quant/fold.py), in the parts of the model (text, vision) that have patched norms or MLPs. Every other
 linear stays in the model dtype and is listed with why.
 
 Two schemes: "dynamic" (quant="w8a8": per-token activation scales computed at run time, W8A8_DYNAMIC) and
@@ -99,6 +99,7 @@ class QuantPlan:
         self.speed_note: str | None = None  # said once at patch time where the int8 GEMM has no fast path
         self.int8_gemm: str | None = None  # which exact int32 GEMM the CPU's int8 linears run (ops.int32_gemm)
         self.scheme = "dynamic"  # or "static" (install)
+        self.recipe: dict | None = None  # the tuned recipe the calibration file held (quant/tune.py)
 
     def unpatch_refusal(self) -> str | None:
         """Why unpatch_model cannot restore the float model (its weights were released), else None."""
@@ -122,7 +123,7 @@ class QuantPlan:
         rows = [ql.row() for ql in self.linears] + [dict(r) for r in self.float_linears]
         q = [r for r in rows if r["became"] == "w8a8"]
         return {"mode": "w8a8" if self.scheme == "dynamic" else "w8a8_static", "scheme": self.scheme,
-                "calibration": self.calibration, "smoothing": self.calibration is not None,
+                "calibration": self.calibration, "recipe": self.recipe, "smoothing": self.calibration is not None,
                 "summary": {"linears": len(rows), "int8": len(q), "float": len(rows) - len(q),
                             "quant_norms": len(self.norms), "quant_mlps": len(self.mlps),
                             "handed_over": sum(r["handed_over"] for r in q),
@@ -191,7 +192,12 @@ def install(model, state, scheme: str = "dynamic") -> QuantPlan:
                                                 else ())]
     plan = QuantPlan(None if calibration_path is None else str(calibration_path), sites)
     plan.scheme = scheme
-    kept = _kept_float(model, state.options.float_linears)
+    recipe = None if calibration_path is None else calibration.recipe_of(calibration_path)
+    globs = state.options.float_linears
+    if globs is None and recipe is not None and recipe["float_linears"]:  # a tuned recipe (quant/tune.py)
+        globs = tuple(recipe["float_linears"])
+    plan.recipe = recipe
+    kept = _kept_float(model, globs)
     fed = {}
     for site in sites:
         if isinstance(site, MlpSite):
@@ -207,7 +213,7 @@ def install(model, state, scheme: str = "dynamic") -> QuantPlan:
             fed[site] = found
         elif reason:
             plan.skipped_producers.append({"path": site.path, "reason": reason})
-    # the linears that quantise their own input, in the parts (text, vision) that have producers; lm_head one of
+    # the linears that quantise their own input, in the parts (text, vision) with patched norms or MLPs; lm_head one of
     # them only on request (int8_lm_head), unsmoothed: it reads one row at decode, and what vLLM loads is float
     every_own = own_input_linears(model)
     head = output_embedding(model)
@@ -215,7 +221,7 @@ def install(model, state, scheme: str = "dynamic") -> QuantPlan:
         every_own.append(head)
     elif head is not None:
         plan.float_reasons[head[0]] = LM_HEAD_FLOAT
-    parts = {part(s.path) for s in fed}
+    parts = {part(s.path) for s in sites}
     own = [(p, m) for p, m in every_own if part(p) in parts and p not in kept]
     plan.float_reasons.update({p: "float_linears keeps it in the model dtype" for p, _ in every_own if p in kept})
     known += [p for p, _ in every_own]
@@ -229,7 +235,7 @@ def install(model, state, scheme: str = "dynamic") -> QuantPlan:
         expected.update({p: m.in_features for p, m in own_smoothed})
         smooth, plan.calibration_ignored, ranges = calibration.load(
             calibration_path, expected, getattr(getattr(model, "config", None), "model_type", None), set(known))
-        if scheme == "static" and not ranges:
+        if scheme == "static" and expected and not ranges:
             raise ValueError(f"calibration {calibration_path}: the file holds no activation ranges (smooth scales "
                              f"only), which quant='w8a8_static' needs; calibrate again (pypto-gym calibrate)")
         if scheme == "static" and not loaded:
