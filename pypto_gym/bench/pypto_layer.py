@@ -99,23 +99,21 @@ def _layer_calls(phase: str, S: int, dtype):
 
 
 def _w8a8_calls(S: int, dtype):
-    """[(part, (dynamic op, args), [(static op, args)...])]: a text layer's W8A8 quant kernels in each scheme; the
-    static MLP has no fused swiglu + quant (its activation is swiglu then static_quant: two kernels)."""
+    """[(part, (dynamic op, args), [(static op, args)...])]: a text layer's W8A8 quant kernels in each scheme. The
+    MLP's activation + quant is left out: swiglu_dynamic_quant has no PyPTO kernel at 11008 wide (its whole-row
+    tiles overflow the unified buffer), so there is no estimate to put the static pair beside."""
     gen = torch.Generator().manual_seed(0)
-    D, I = 2048, 11008
+    D = 2048
     x = torch.randn(1, S, D, generator=gen).to(dtype)
-    g = torch.randn(1, S, I, generator=gen).to(dtype)
     gamma = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype)
-    smooth, smooth_i = (0.5 + torch.rand(D, generator=gen)).to(dtype), 0.5 + torch.rand(I, generator=gen)
+    smooth = (0.5 + torch.rand(D, generator=gen)).to(dtype)
     scale, offset = torch.tensor([0.03], dtype=dtype), torch.tensor([3.0], dtype=dtype)
     return [("input norm + quant", ("rms_norm_dynamic_quant", (x, gamma, smooth, None, 1e-6, "int8")),
              [("rms_norm_quant", (x, gamma, scale, offset, None, 1e-6))]),
             ("add + norm + quant", ("add_rms_norm_dynamic_quant", (x, x, gamma, smooth, None, None, 1e-6, "int8")),
              [("add_rms_norm_quant", (x, x, gamma, scale, offset, None, 1e-6))]),
             ("o_proj input quant", ("dynamic_quant", (x, smooth, "int8")),
-             [("static_quant", (x, scale, offset, None))]),
-            ("MLP activation + quant", ("swiglu_dynamic_quant", (g, g, smooth_i, "hf", "int8")),
-             [("swiglu", (g, g, "hf")), ("static_quant", (g, scale, offset, None))])]
+             [("static_quant", (x, scale, offset, None))])]
 
 
 def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None) -> int:
