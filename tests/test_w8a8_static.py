@@ -297,7 +297,8 @@ def test_the_compressed_tensors_static_export_has_its_layout(ct_static_export):
     assert group["weights"]["strategy"] == "channel"
     tensors = load_file(str(out / "model.safetensors"))
     assert tensors[f"{Q}.input_scale"].dtype == torch.bfloat16 and tuple(tensors[f"{Q}.input_scale"].shape) == (1,)
-    assert tensors[f"{Q}.input_zero_point"].dtype == torch.int8 and tuple(tensors[f"{Q}.input_zero_point"].shape) == (1,)
+    zero_point = tensors[f"{Q}.input_zero_point"]
+    assert zero_point.dtype == torch.int8 and tuple(zero_point.shape) == (1,)
     assert export.quant_mode_of(out) == "w8a8_static"
 
 

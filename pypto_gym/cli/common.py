@@ -154,7 +154,8 @@ def add_patch_args(ap):
                     help="patch norms only, no fused residual add (default: $PYPTO_GYM_FUSE_RESIDUAL or on)")
     ap.add_argument("--quant", choices=["w8a8", "w8a8_static"], default=None,
                     help="with --use_pto: int8 weights and activations for the model's linears (w8a8: per-token "
-                         "dynamic activation scales; w8a8_static: msModelSlim's W8A8, static scales from --calibration)")
+                         "dynamic activation scales; w8a8_static: msModelSlim's W8A8, static scales from "
+                         "--calibration)")
     ap.add_argument("--calibration", default=None,
                     help="with --quant w8a8: smooth scales from `calibrate` (default: no smoothing)")
     ap.add_argument("--float-linears", default=None,

@@ -113,8 +113,8 @@ def _w8a8_lines(q: dict) -> list[str]:
              f"float -> {s['int8_weight_bytes'] / 2 ** 20:.1f} MB int8 " + _float_copies(s)]
     if q.get("recipe"):
         r = q["recipe"]
-        lines.append(f"recipe (pypto-gym tune, {r['scheme']} scheme): {len(r['float_linears'])} linears float, per-source "
-                     f"alpha; measured cosine {r['cosine']:.5f} for a target of {r['target_cosine']}")
+        lines.append(f"recipe (pypto-gym tune, {r['scheme']} scheme): {len(r['float_linears'])} linears float, "
+                     f"per-source alpha; measured cosine {r['cosine']:.5f} for a target of {r['target_cosine']}")
     if q.get("int8_gemm"):
         lines.append(f"int8 GEMM on this CPU: {q['int8_gemm']}")
     if q.get("speed_note"):

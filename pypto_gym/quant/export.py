@@ -488,8 +488,8 @@ def load(path, backend: str = "auto", dtype: str = "auto", device: str = "cpu", 
             deq, qb = static[lin][2:]
             for n, t in (("deq_scale", deq), ("quant_bias", qb)):
                 if tuple(t.shape) != (w.shape[0],):
-                    raise ValueError(f"{where}: tensor '{lin}.{n}' is {list(t.shape)}; expected [{w.shape[0]}] (one per "
-                                     f"output channel of '{lin}.weight')")
+                    raise ValueError(f"{where}: tensor '{lin}.{n}' is {list(t.shape)}; expected [{w.shape[0]}] (one "
+                                     f"per output channel of '{lin}.weight')")
             stored[lin] = (*stored[lin], deq, qb)
     for lin in sorted(set(static) - set(stored)):
         raise ValueError(f"{where}: tensor '{lin}.deq_scale' has no int8 '{lin}.weight' with its weight_scale")

@@ -151,7 +151,8 @@ def _static_quant_matmul(x1, x2, scale, bias, output_dtype, n):
     _check(output_dtype in wanted, f"npu_quant_matmul: output {output_dtype} without pertoken_scale is not modelled")
     _check(scale.dtype == wanted[output_dtype], f"npu_quant_matmul: scale {scale.dtype} with output {output_dtype}")
     _check(output_dtype != torch.bfloat16 or _a2_a3(), "npu_quant_matmul: bfloat16 output on A2/A3 only")
-    _check(bias is None or (bias.dtype == torch.int32 and tuple(bias.shape) == (n,)), "npu_quant_matmul: bias int32 [n]")
+    _check(bias is None or (bias.dtype == torch.int32 and tuple(bias.shape) == (n,)),
+           "npu_quant_matmul: bias int32 [n]")
     if scale.dtype == torch.int64:  # npu_trans_quant_param's encoding: the fp32 bit pattern
         scale = scale.to(torch.int32).view(torch.float32)
     return OPS["quant_matmul_static"].golden(x1, x2.transpose(-1, -2), scale.expand(n), bias, output_dtype)
