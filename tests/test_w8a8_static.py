@@ -123,6 +123,26 @@ def test_static_params_worked_example():
     assert float(scale) == float(torch.tensor(2 / 255).to(torch.bfloat16))
 
 
+def test_a_percentile_range_leaves_a_rare_spike_out():
+    """100 rows per channel, one spike of 50 in channel 0: min/max keeps it; the 99th percentile (one value of 100
+    left out at each end) does not; the widest over calls; a percentile outside (50, 100] is refused."""
+    model = torch.nn.Linear(2, 2)
+    x = torch.cat([torch.linspace(-1, 1, 100)[:, None].expand(100, 2), torch.zeros(0, 2)])
+    spiked = x.clone()
+    spiked[7, 0] = 50.0
+    plain, clipped = calibration.Calibrator(model), calibration.Calibrator(model, 99.0)
+    for rec in (plain, clipped):
+        rec._record("p", spiked)
+    assert float(plain.amax["p"][0]) == 50.0 and float(clipped.amax["p"][0]) == 1.0
+    assert float(clipped.amin["p"][0]) == pytest.approx(-1 + 2 / 99) and float(clipped.amax["p"][1]) == \
+        pytest.approx(1 - 2 / 99)  # channel 1 loses its own extremes too
+    clipped._record("p", 3 * x)
+    assert float(clipped.amax["p"][1]) == pytest.approx(3 - 6 / 99)  # the widest over calls
+    assert clipped.range_rule == "percentile 99" and plain.range_rule == "min/max"
+    with pytest.raises(ValueError, match=r"percentile: got 40; expected a number in \(50, 100\]"):
+        calibration.Calibrator(model, 40)
+
+
 # ---- the scheme on a model -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen3_calib(tmp_path_factory):

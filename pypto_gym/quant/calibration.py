@@ -23,12 +23,14 @@ while the float model runs.
 The static scheme (msModelSlim's W8A8) also needs each source's range: the file holds, per source, the
 per-channel minimum and maximum of its rows (`<path>.act_min`, `<path>.act_max`, fp32 [D], before
 smoothing), from which `static_params` derives the per-tensor scale and offset of the smoothed rows for
-any smooth scale (min_j(min_j / s_j), max_j(max_j / s_j): 1/s is positive). A file without ranges (format 3,
-or written without them) still serves the dynamic scheme.
+any smooth scale (min_j(min_j / s_j), max_j(max_j / s_j): 1/s is positive). With a percentile (`calibrate
+--percentile 99.99`) a channel's range is its lower and upper percentile over each call's rows instead of its
+min and max. A file without ranges (format 3, or written without them) still serves the dynamic scheme.
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -54,8 +56,13 @@ class Calibrator:
     float model (the rows its int8 linears will read), collected by forward hooks: a norm's output, an
     MLP's down_proj input, the input of a linear that quantises its own (where its scale can fold)."""
 
-    def __init__(self, model):
+    def __init__(self, model, percentile: float | None = None):
+        """`percentile` (e.g. 99.99): each channel's range is its values' lower and upper percentile over the rows of
+        a call (so a rare spike does not stretch a static scale), the widest over calls; None: min and max."""
+        if percentile is not None and not 50.0 < percentile <= 100.0:
+            raise ValueError(f"percentile: got {percentile!r}; expected a number in (50, 100]")
         self.model = model
+        self.percentile = percentile
         self.absmax: dict = {}  # producer path -> per-channel max |activation| (fp32, [D])
         self.amin: dict = {}  # producer path -> per-channel min activation (fp32, [D]): the static scheme's range
         self.amax: dict = {}
@@ -87,8 +94,14 @@ class Calibrator:
 
     def _record(self, path, y):
         rows = y.detach().reshape(-1, y.shape[-1])
-        lo, hi = rows.amin(0).to(torch.float32).cpu(), rows.amax(0).to(torch.float32).cpu()
-        m = torch.maximum(lo.abs(), hi.abs())
+        m = rows.abs().amax(0).to(torch.float32).cpu()
+        if self.percentile is None or rows.shape[0] < 2:
+            lo, hi = rows.amin(0).to(torch.float32).cpu(), rows.amax(0).to(torch.float32).cpu()
+        else:  # each tail's floor(n * (100 - p) / 100) values left out: the k-th smallest and largest per channel
+            n = rows.shape[0]
+            k = math.floor(n * (100.0 - self.percentile) / 100.0 + 1e-9) + 1
+            r = rows.to(torch.float32)
+            lo, hi = r.kthvalue(k, dim=0).values.cpu(), r.kthvalue(n - k + 1, dim=0).values.cpu()
         self.absmax[path] = m if path not in self.absmax else torch.maximum(self.absmax[path], m)
         self.amin[path] = lo if path not in self.amin else torch.minimum(self.amin[path], lo)
         self.amax[path] = hi if path not in self.amax else torch.maximum(self.amax[path], hi)
@@ -96,6 +109,10 @@ class Calibrator:
     def ranges(self, paths) -> dict:
         """{path: (per-channel min, per-channel max)} of the recorded sources among `paths` (what `save` writes)."""
         return {p: (self.amin[p], self.amax[p]) for p in paths if p in self.amin}
+
+    @property
+    def range_rule(self) -> str:
+        return "min/max" if self.percentile is None else f"percentile {self.percentile:g}"
 
 
 def _smooth(absmax: torch.Tensor, weights, alpha: float, fold=None) -> torch.Tensor:
@@ -154,7 +171,7 @@ def static_params(act_min: torch.Tensor, act_max: torch.Tensor, inv_smooth, dtyp
 
 
 def save(path, scales: dict, alpha: float, model_type: str, inputs: list[str], ranges: dict | None = None,
-         recipe: dict | None = None) -> None:
+         recipe: dict | None = None, range_rule: str = "min/max") -> None:
     """Write a calibration file (atomically, deterministic bytes): the smooth scales, and `ranges` {path: (min,
     max)} where given; `recipe` (quant/tune.py: float_linears, scheme, the cosine it reached) in its metadata."""
     from safetensors.torch import save
@@ -163,6 +180,8 @@ def save(path, scales: dict, alpha: float, model_type: str, inputs: list[str], r
 
     info = {"format": FORMAT, "alpha": float(alpha), "model_type": str(model_type), "inputs": list(inputs),
             "norms": len(scales)}
+    if ranges:
+        info["ranges"] = range_rule
     if recipe is not None:
         info["recipe"] = recipe
     # one metadata key: safetensors writes its metadata map in hash order, which would vary between runs
