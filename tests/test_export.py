@@ -245,7 +245,7 @@ O_PROJ = "model.language_model.layers.0.self_attn.o_proj"
     (lambda t, c: t.__setitem__("model.extra.weight", torch.zeros(2)), "tensor 'model.extra.weight' names nothing"),
     (lambda t, c: c["quantization_config"]["config_groups"]["group_0"]["input_activations"].__setitem__("dynamic",
                                                                                                         False),
-     r"config_groups.group_0.input_activations.dynamic is False; expected True"),
+     r"config_groups.group_0.input_activations.strategy is 'token'; expected 'tensor'"),  # static: per tensor
     (lambda t, c: c["quantization_config"].__setitem__("format", "pack-quantized"),
      "quantization_config.format 'pack-quantized'; expected 'int-quantized'"),
 ])
@@ -594,8 +594,9 @@ DAMAGES = {  # name -> (format, edit(dir), words of the one-line refusal)
                                                                  1e-40), "has subnormal values"),
     "group size": ("compressed-tensors", lambda d: _edit_group(d, "weights", "group_size", 128),
                    "config_groups.group_0.weights.group_size is 128; expected None"),
-    "static activations": ("compressed-tensors", lambda d: _edit_group(d, "input_activations", "dynamic", False),
-                           "input_activations.dynamic is False; expected True"),
+    "static per-token activations": ("compressed-tensors",
+                                     lambda d: _edit_group(d, "input_activations", "dynamic", False),
+                                     "input_activations.strategy is 'token'; expected 'tensor'"),
     "unknown field": ("compressed-tensors", lambda d: _edit_group(d, "weights", "zero_point_shift", 1),
                       "weights.zero_point_shift is a field the loader does not know"),
     "targets": ("compressed-tensors", lambda d: _edit_group(d, None, "targets", ["Embedding"]),

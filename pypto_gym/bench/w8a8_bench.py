@@ -403,7 +403,8 @@ def _plot_accuracy(plt, rows):
     labels = [f"{r['model'].split(' (')[0]}\n{r['variant']}, {r['smoothing']}" for r in rows]
     palette = {_label(a): c for a, c in zip(SMOOTHING, ("tab:red", "tab:green", "tab:olive"))}
     palette[RECIPE] = "tab:blue"
-    palette.update({LLMC_FIXTURE_LABEL: "tab:purple", LLMC_LABEL: "tab:purple", DECODER_ONLY: "tab:cyan"})
+    palette.update({LLMC_FIXTURE_LABEL: "tab:purple", LLMC_LABEL: "tab:purple", DECODER_ONLY: "tab:cyan",
+                    f"{TUNED} (dynamic)": "tab:orange", f"{TUNED} (static)": "tab:brown"})
     colors = [palette[r["smoothing"]] for r in rows]
     axes[0].bar(range(len(rows)), [1 - r["cosine_mean"] for r in rows], color=colors)
     axes[0].set_yscale("log")

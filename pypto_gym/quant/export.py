@@ -420,7 +420,8 @@ def quant_mode_of(path) -> str:
             return "w8a8_static" if read_json(path / MSMODELSLIM_JSON, str(path)).get("model_quant_type") == \
                 W8A8_STATIC else "w8a8"
         groups = read_json(path / "config.json", str(path))["quantization_config"]["config_groups"]
-        static = any(g["input_activations"]["dynamic"] is False for g in groups.values())
+        static = any(g["input_activations"]["dynamic"] is False and g["input_activations"]["strategy"] == "tensor"
+                     for g in groups.values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "w8a8"
     return "w8a8_static" if static else "w8a8"
