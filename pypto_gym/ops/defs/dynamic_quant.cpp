@@ -16,29 +16,10 @@ std::vector<at::Tensor> dynamic_quant_entry(const at::Tensor& x_in, const c10::o
   if (x.numel() == 0) return {y, scale};
   at::Tensor smooth;
   if (smooth_in.has_value()) smooth = smooth_in->reshape({D}).to(at::kFloat).contiguous();
-  const int64_t R = x.numel() / D;
   int8_t* yp = y.data_ptr<int8_t>();
   float* scp = scale.data_ptr<float>();
-  dispatch_dtype(x.scalar_type(), [&](auto xt) {
-    using X = decltype(xt);
-    using T = typename X::T;
-    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-    const float* sp = smooth.defined() ? smooth.data_ptr<float>() : nullptr;
-    at::parallel_for(0, R, grain_for(D), [&](int64_t begin, int64_t end) {
-      std::unique_ptr<float[]> n(new float[D]);
-      for (int64_t r = begin; r < end; ++r) {
-        const T* xr = xp + r * D;
-        int64_t i = 0;
-#ifdef PG_SIMD
-        for (; i + W <= D; i += W) {
-          const V v = vload<X>(xr + i);
-          vstore<F32>(n.get() + i, sp ? vmul(v, vload<F32>(sp + i)) : v);
-        }
-#endif
-        for (; i < D; ++i) n[i] = sp ? X::load(xr[i]) * sp[i] : X::load(xr[i]);
-        scp[r] = quantize_row(n.get(), D, (float)qmax, (float)qmin, yp + r * D);
-      }
-    });
+  smoothed_rows(x, smooth.defined() ? smooth.data_ptr<float>() : nullptr, [&](int64_t r, const float* n, int64_t d) {
+    scp[r] = quantize_row(n, d, (float)qmax, (float)qmin, yp + r * d);
   });
   return {y, scale};
 }

@@ -1,5 +1,5 @@
 // static_quant (defs/static_quant.py): x (times the smooth scale, read as fp32 as dynamic_quant reads it) quantised
-// under one static scale and offset, one pass per row through a per-thread fp32 scratch row (the rule is common.h's
+// under one static scale and offset, one pass per row (common.h's smoothed_rows; the rule is common.h's
 // quantize_row_static, shared with the static norm ops).
 #include "common.h"
 
@@ -13,28 +13,9 @@ at::Tensor static_quant_entry(const at::Tensor& x_in, const c10::optional<at::Te
   if (x.numel() == 0) return y;
   at::Tensor smooth;
   if (smooth_in.has_value()) smooth = smooth_in->reshape({D}).to(at::kFloat).contiguous();
-  const int64_t R = x.numel() / D;
   int8_t* yp = y.data_ptr<int8_t>();
-  dispatch_dtype(x.scalar_type(), [&](auto xt) {
-    using X = decltype(xt);
-    using T = typename X::T;
-    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-    const float* sp = smooth.defined() ? smooth.data_ptr<float>() : nullptr;
-    at::parallel_for(0, R, grain_for(D), [&](int64_t begin, int64_t end) {
-      std::unique_ptr<float[]> n(new float[D]);
-      for (int64_t r = begin; r < end; ++r) {
-        const T* xr = xp + r * D;
-        int64_t i = 0;
-#ifdef PG_SIMD
-        for (; i + W <= D; i += W) {
-          const V v = vload<X>(xr + i);
-          vstore<F32>(n.get() + i, sp ? vmul(v, vload<F32>(sp + i)) : v);
-        }
-#endif
-        for (; i < D; ++i) n[i] = sp ? X::load(xr[i]) * sp[i] : X::load(xr[i]);
-        quantize_row_static(n.get(), D, (float)scale, (float)offset, yp + r * D);
-      }
-    });
+  smoothed_rows(x, smooth.defined() ? smooth.data_ptr<float>() : nullptr, [&](int64_t r, const float* n, int64_t d) {
+    quantize_row_static(n, d, (float)scale, (float)offset, yp + r * d);
   });
   return y;
 }
