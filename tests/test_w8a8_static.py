@@ -351,6 +351,33 @@ def test_a_malformed_compressed_tensors_static_checkpoint_is_refused(ct_static_e
         export.load(out, backend="cpu")
 
 
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "llama"])
+def test_every_family_round_trips_a_static_export_bit_equal_in_both_formats(name, tmp_path):
+    """Qwen2.5-VL (an image: the vision tower's qkv/proj, the merger after ln_q and after GELU) and Llama: every
+    linear but lm_head int8, and what loads back from either format computes the logits the patched model did.
+    The merger's mlp.0 smooth scale folds into ln_q's weight in memory as in the checkpoint; mlp.2 (after GELU,
+    unsmoothed) has its own range in the calibration file."""
+    from pypto_gym.inference import open_image
+    from pypto_gym.models.qwen2_5_vl import SAMPLE_IMAGE
+
+    family = models.FAMILIES[name]
+    calib = tmp_path / "calib.safetensors"
+    assert cli_main(["calibrate", "--model", str(family.TINY_DIR), "--dtype", "bfloat16", "--max-new-tokens", "2",
+                     "--out", str(calib)]) == 0
+    model, processor = family.load(family.TINY_DIR, "bfloat16", "cpu")
+    batch = processor(["Read the text in the image."], [open_image(SAMPLE_IMAGE)], None) if family.MULTIMODAL \
+        else processor(list(family.CALIBRATION_PROMPTS[:2]), None, None)
+    report = patch_model(model, backend="cpu", quant="w8a8_static", calibration=calib, strict=True)
+    floats = [r["path"] for r in report.to_json()["w8a8"]["linears"] if r["became"] != "w8a8"]
+    assert floats == ["lm_head"]
+    ours = _logits(model, batch)
+    for fmt in ("msmodelslim", "compressed-tensors"):
+        export.save(model, tmp_path / fmt, processor, fmt)
+        loaded, _, _, back = export.load(tmp_path / fmt, backend="cpu")
+        assert back.to_json()["w8a8"]["summary"]["int8"] == len(report._state.quant.linears)
+        assert torch.equal(_logits(loaded, batch), ours), fmt
+
+
 def test_cli_exports_and_infers_a_static_checkpoint(qwen3_calib, tmp_path, capsys):
     family = models.FAMILIES["qwen3"]
     out = tmp_path / "ms"
@@ -424,6 +451,13 @@ def test_tune_finds_the_fewest_float_groups_for_the_target_and_patch_model_runs_
     assert all(r["became"] == "w8a8" for r in with_own.to_json()["w8a8"]["linears"]
                if r["path"] in report["float_linears"])
     unpatch_model(model)
+    # export (and infer, through the same patch_model) take the recipe as their --calibration
+    ms = tmp_path / "ms"
+    assert cli_main(["export", "--model", str(family.TINY_DIR), "--quant", "w8a8_static", "--format", "msmodelslim",
+                     "--calibration", str(out), str(ms)]) == 0
+    desc = json.loads((ms / export.MSMODELSLIM_JSON).read_text())
+    assert all(desc[f"{p}.weight"] == "FLOAT" for p in report["float_linears"])
+    assert sum(v == "W8A8" for k, v in desc.items() if k.endswith(".weight")) == 28 - len(report["float_linears"])
 
 
 def test_cli_tune_refuses_a_target_outside_zero_to_one(capsys, tmp_path):

@@ -107,6 +107,9 @@ class NormSite(Site):
         self.fused_into = None  # "qk_norm_rope at <attention path>": the rotary site normalises for this norm
         self.bypassed: dict[str, int] = {}  # fused calls that ran unfused, by reason
         self.quant = None  # W8A8 (pypto_gym.quant): the norm emits int8 rows for the linears after it
+        # W8A8 static: a consumer's smooth scale (fp32 [D]) folded into the weight per call, as an export folds it
+        # into the checkpoint's weight (the merger's ln_q, whose rows are regrouped before mlp.0 quantises them)
+        self.weight_fold = None
 
     def details(self) -> dict:
         w = self.module.weight
@@ -121,9 +124,12 @@ def norm_forward(module, hidden_states, residual=None):
     if _STATE.enabled:
         if site.quant is not None:
             return site.quant.forward(site, module, hidden_states, residual)
+        w = module._parameters["weight"]
+        if site.weight_fold is not None:
+            w = (w.float() * site.weight_fold).to(w.dtype)
         if residual is None:
-            return site.call(hidden_states, module._parameters["weight"])
-        return site.add_call(residual, hidden_states, module._parameters["weight"])
+            return site.call(hidden_states, w)
+        return site.add_call(residual, hidden_states, w)
     if residual is None:
         return site.original(hidden_states)
     x_out = residual + hidden_states

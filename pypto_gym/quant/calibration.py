@@ -66,6 +66,7 @@ class Calibrator:
         self.absmax: dict = {}  # producer path -> per-channel max |activation| (fp32, [D])
         self.amin: dict = {}  # producer path -> per-channel min activation (fp32, [D]): the static scheme's range
         self.amax: dict = {}
+        self.unsmoothed: list[str] = []  # linears quantising their own input with no source to fold a scale into
         self._handles = []
 
     def __enter__(self):
@@ -81,8 +82,13 @@ class Calibrator:
             if not cand.reason:
                 self._handles.append(cand.module.down_proj.register_forward_pre_hook(
                     lambda m, args, path=cand.path: self._record(path, args[0])))
-        for path in folds(self.model):
-            self._handles.append(self.model.get_submodule(path).register_forward_pre_hook(
+        from .plan import own_input_linears
+
+        smoothable = folds(self.model)
+        for path, linear in own_input_linears(self.model):  # the unsmoothable ones too: the static scheme's range
+            if path not in smoothable:
+                self.unsmoothed.append(path)
+            self._handles.append(linear.register_forward_pre_hook(
                 lambda m, args, path=path: self._record(path, args[0])))
         return self
 
@@ -106,9 +112,11 @@ class Calibrator:
         self.amin[path] = lo if path not in self.amin else torch.minimum(self.amin[path], lo)
         self.amax[path] = hi if path not in self.amax else torch.maximum(self.amax[path], hi)
 
-    def ranges(self, paths) -> dict:
-        """{path: (per-channel min, per-channel max)} of the recorded sources among `paths` (what `save` writes)."""
-        return {p: (self.amin[p], self.amax[p]) for p in paths if p in self.amin}
+    def ranges(self, smoothed) -> dict:
+        """{path: (per-channel min, per-channel max)} (what `save` writes) of the recorded sources among `smoothed`
+        (the smooth scales' paths) and of the linears quantising their own input unsmoothed (the merger's mlp.2
+        reads GELU's output): the static scheme needs every int8 linear's range."""
+        return {p: (self.amin[p], self.amax[p]) for p in [*smoothed, *self.unsmoothed] if p in self.amin}
 
     @property
     def range_rule(self) -> str:
@@ -194,11 +202,12 @@ def save(path, scales: dict, alpha: float, model_type: str, inputs: list[str], r
     files.write_bytes(path, data)
 
 
-def load(path, expected: dict, model_type: str | None = None, known=()) -> tuple[dict, list, dict]:
+def load(path, expected: dict, model_type: str | None = None, known=(), unsmoothed=None) -> tuple[dict, list, dict]:
     """({producer path: s}, [ignored paths], {producer path: (min, max)}) from a calibration file, checked against
     `expected` {producer path: D} (the norms and MLPs being quantised) and the model type. Tensors for `known`
     producers of the model that are not being quantised (a `sites=` subset) are ignored and listed; a
-    tensor naming a module the model does not have is refused. The ranges are {} in a format 3 file."""
+    tensor naming a module the model does not have is refused. The ranges are {} in a format 3 file; those of
+    `unsmoothed` {linear path: K} (no smooth scale) are returned where the file holds them (an older file may not)."""
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load as load_bytes
 
@@ -217,13 +226,14 @@ def load(path, expected: dict, model_type: str | None = None, known=()) -> tuple
         raise ValueError(f"{where}: metadata model_type {info.get('model_type')!r}; this model is {model_type!r} "
                          f"(a file made for another model?)")
     out, ignored, bounds = {}, [], {}
+    unsmoothed = unsmoothed or {}
     examples = ", ".join(repr(n) for n in sorted(expected)[:2])
     for name in sorted(tensors):
         t = tensors[name]
         kind = next((k for k in (SUFFIX, *RANGE_SUFFIXES) if name.endswith(k)), None)
         norm = name[:-len(kind)] if kind is not None else None
-        if kind in RANGE_SUFFIXES and norm in expected:
-            D = expected[norm]
+        if kind in RANGE_SUFFIXES and (norm in expected or norm in unsmoothed):
+            D = expected.get(norm, unsmoothed.get(norm))
             if t.dtype != torch.float32 or tuple(t.shape) != (D,) or not torch.isfinite(t).all():
                 raise ValueError(f"{where}: tensor {name!r} is {str(t.dtype).replace('torch.', '')} {list(t.shape)}"
                                  f"{'' if torch.isfinite(t).all() else ' with values that are not finite'}; "
@@ -260,6 +270,9 @@ def load(path, expected: dict, model_type: str | None = None, known=()) -> tuple
                 raise ValueError(f"{where}: no tensor {norm + lacking[0]!r} (the file holds other sources' ranges: "
                                  f"it must hold every one)")
             ranges[norm] = (got[".act_min"], got[".act_max"])
+        for lin in sorted(set(bounds) - set(expected)):
+            if all(k in bounds[lin] for k in RANGE_SUFFIXES):
+                ranges[lin] = (bounds[lin][".act_min"], bounds[lin][".act_max"])
     return out, sorted(set(ignored)), ranges
 
 

@@ -24,7 +24,7 @@ from .. import hardware, models
 from ..ops.defs import quant_matmul
 from ..patching.mlp import MlpSite
 from ..patching.norm import NormSite
-from ..patching.site import part
+from ..patching.site import SLOT, part
 from . import calibration
 from .linear import STORED_STATIC, QuantLinear, linear_kind, quant_linear_of
 from .mlp import QuantMlp
@@ -92,6 +92,7 @@ class QuantPlan:
         self.norms: dict = {}  # site path -> QuantNorm
         self.mlps: dict = {}  # site path -> QuantMlp
         self.linears: list[QuantLinear] = []
+        self.folded_norms: list = []  # float norm sites holding a static consumer's smooth scale (weight_fold)
         self.float_linears: list[dict] = []
         self.skipped_producers: list[dict] = []
         self.calibration_ignored: list[str] = []  # producers and linears of the file this patch does not quantise
@@ -118,6 +119,8 @@ class QuantPlan:
             ql.uninstall()
         for site in self.sites:
             site.quant = None
+        for site in self.folded_norms:
+            site.weight_fold = None
 
     def to_json(self) -> dict:
         rows = [ql.row() for ql in self.linears] + [dict(r) for r in self.float_linears]
@@ -234,12 +237,13 @@ def install(model, state, scheme: str = "dynamic") -> QuantPlan:
         expected = {s.path: _producer_of(s, found)[0] for s, found in fed.items()}
         expected.update({p: m.in_features for p, m in own_smoothed})
         smooth, plan.calibration_ignored, ranges = calibration.load(
-            calibration_path, expected, getattr(getattr(model, "config", None), "model_type", None), set(known))
+            calibration_path, expected, getattr(getattr(model, "config", None), "model_type", None), set(known),
+            {p: m.in_features for p, m in own if p not in smoothed})
         if scheme == "static" and expected and not ranges:
             raise ValueError(f"calibration {calibration_path}: the file holds no activation ranges (smooth scales "
                              f"only), which quant='w8a8_static' needs; calibrate again (pypto-gym calibrate)")
         if scheme == "static" and not loaded:
-            unranged = sorted(p for p, _ in own if p not in ranges)  # the merger's mlp.2: no smoothing, no range
+            unranged = sorted(p for p, _ in own if p not in ranges)  # a file calibrated before unsmoothed ranges
             plan.float_reasons.update({p: "the calibration file has no range for its input (static scheme)"
                                        for p in unranged})
             own = [(p, m) for p, m in own if p in ranges]
@@ -317,8 +321,8 @@ def install(model, state, scheme: str = "dynamic") -> QuantPlan:
 def _fold_static_smoothing(model, plan) -> None:
     """Static scheme: fold each smooth scale into the int8 linear that writes the rows it scales, as an export does
     (quant/fold.py): an MLP's into up_proj's deq_scale, an own-input linear's into its source linear's (v_proj, the
-    vision qkv); so what runs is what the msModelSlim checkpoint holds. Where that writer is not a static int8
-    linear (a float one, a norm: the merger's ln_q) the smooth scale stays in static_quant."""
+    vision qkv), or a float norm's weight (the merger's ln_q: NormSite.weight_fold); so what runs is what the
+    checkpoint holds. Where that writer is neither (a float linear) the smooth scale stays in static_quant."""
     from .fold import folds, source_factor
 
     for path, mlp in plan.mlps.items():
@@ -329,9 +333,16 @@ def _fold_static_smoothing(model, plan) -> None:
     sources = folds(model)
     for ql in plan.linears:
         fold = sources.get(ql.path)
-        src = None if fold is None else quant_linear_of(fold.source)
-        if ql.source is None and ql.inv_smooth is not None and src is not None and src.static is not None:
+        if ql.source is not None or ql.inv_smooth is None or fold is None:
+            continue
+        src = quant_linear_of(fold.source)
+        site = fold.source.__dict__.get(SLOT)
+        if src is not None and src.static is not None:
             src.fold_output(source_factor(ql.inv_smooth, fold))
+            ql.smooth_folded = True
+        elif isinstance(site, NormSite) and site.quant is None:  # a float norm (ln_q): its weight, per call
+            site.weight_fold = source_factor(ql.inv_smooth, fold).to(fold.source.weight.device)
+            plan.folded_norms.append(site)
             ql.smooth_folded = True
 
 
