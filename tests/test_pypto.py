@@ -16,7 +16,7 @@ import torch
 if importlib.util.find_spec("pypto") is None:  # not importorskip: importing pypto writes its run records at once
     pytest.skip("the pypto extra is not installed (pip install -e '.[pypto]')", allow_module_level=True)
 
-from pypto_gym import ops  # noqa: E402
+from pypto_gym import config, ops  # noqa: E402
 from pypto_gym.capture import load_cases  # noqa: E402
 from pypto_gym.capture.runner import run_case  # noqa: E402
 from pypto_gym.ops import OPS, registry  # noqa: E402
@@ -31,6 +31,16 @@ ROOT = Path(__file__).resolve().parent.parent
 SIMULATED_ELEMENTS = 2 ** 20  # per tensor: PyPTO's CPU simulation of a [2, 981, 11008] swiglu takes minutes
 
 
+BACKEND = registry.get("pypto")
+
+
+def _declined(op, args) -> str | None:
+    """Why the op's PyPTO kernel does not take this call (its `supports`; varlen_attention declines fp32 and windows
+    over 128, tested in test_varlen_attention_declines_what_its_kernel_cannot_verify), None if it does."""
+    impl = op.impls["pypto"]
+    return impl.supports(BACKEND, *args) if impl.supports else None
+
+
 def _distinct_pypto_cases():
     """The committed cases of ops with a PyPTO kernel (quant_matmul, a GEMM, has none), each distinct input once
     (the W8A8 file repeats the bf16 file's MLP and rotary cases), whose tensors PyPTO simulates in seconds:
@@ -41,14 +51,14 @@ def _distinct_pypto_cases():
         for c in load_cases(p):
             key = (c["op"], repr([(a.shape, a.dtype) if isinstance(a, torch.Tensor) else a for a in c["args"]]))
             small = all(a.numel() <= SIMULATED_ELEMENTS for a in c["args"] if isinstance(a, torch.Tensor))
-            if "pypto" in OPS[c["op"]].impls and small and key not in seen:
+            if "pypto" in OPS[c["op"]].impls and small and key not in seen and not _declined(OPS[c["op"]], c["args"]):
                 seen.add(key)
                 out.append((p, c))
     return out
 
 
 CASES = _distinct_pypto_cases()
-BACKEND = registry.get("pypto")
+EXAMPLES = [p for p in op_examples("pypto") if not _declined(p.values[0], p.values[0].example_args(p.values[1]))]
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +78,7 @@ def run(op, *args, **kwargs):
     return out
 
 
-@pytest.mark.parametrize("op,example", op_examples("pypto"))
+@pytest.mark.parametrize("op,example", EXAMPLES)
 def test_every_pypto_kernel_on_its_examples(op, example):
     """Each op's PyPTO kernel, compiled, run by PyPTO's calculator and verified at the compiled level."""
     args = op.example_args(example)
@@ -78,6 +88,35 @@ def test_every_pypto_kernel_on_its_examples(op, example):
     last = BACKEND.last_run
     assert last.level == "compiled" and all(v == "PASS" for v in last.verdicts.values()) and last.estimated_us > 0
     assert_close(out, op.golden(*args), op.outputs)
+
+
+def test_varlen_attention_runs_a_page_of_windows_in_several_verified_launches():
+    """16 heads x 6 windows (the empty one skipped) are 96 (window, head) pairs: two launches of at most 64 pairs, each
+    padded to its own longest window; the estimate is their sum."""
+    from pypto_gym.ops.defs.varlen_attention import windows
+
+    gen = torch.Generator().manual_seed(3)
+    cu = windows([64, 64, 32, 64, 0, 32, 17])
+    q, k, v = (torch.randn(cu[-1], 16, 80, generator=gen).to(torch.bfloat16) for _ in range(3))
+    out = run("varlen_attention", q, k, v, cu, 80 ** -0.5)
+    assert BACKEND.last_run.tiles == "64x80 32x80 (2 launches)", BACKEND.last_run.tiles  # each padded to its own
+    assert_close(out, ops.OPS["varlen_attention"].golden(q, k, v, cu, 80 ** -0.5), ops.OPS["varlen_attention"].outputs)
+
+
+def test_varlen_attention_declines_what_its_kernel_cannot_verify():
+    """fp32 (PyPTO's fp32 matmul misses its own verification) and windows over 128 (a whole score tile) go to the
+    fallback with the reason counted; strict mode raises naming it."""
+    q = torch.randn(150, 2, 16)
+    cases = {"fp32 q/k/v": (q, q, q, [0, 10, 150], 0.25, "hf"),
+             "cast_mode fp32": (q.bfloat16(), q.bfloat16(), q.bfloat16(), [0, 10, 150], 0.25, "fp32"),
+             "a window of 140 tokens": (q.bfloat16(), q.bfloat16(), q.bfloat16(), [0, 10, 150], 0.25, "hf")}
+    for reason, args in cases.items():
+        stats = ops.Stats()
+        with config.scoped(strict=False):
+            ops.OPS["varlen_attention"].call(args, "pypto", stats)
+        assert stats.ran == {"torch": 1} and any(reason in why for why in stats.fallbacks), stats.fallbacks
+        with config.scoped(strict=True), pytest.raises(ops.BackendFallbackError, match=reason):
+            ops.OPS["varlen_attention"].call(args, "pypto", ops.Stats())
 
 
 def test_adaptation_checks_the_installed_version(monkeypatch):

@@ -109,6 +109,21 @@ class RunInfo:
     tiles: str = ""
     cached: bool = False
 
+    @classmethod
+    def of_launches(cls, runs: list["RunInfo"]) -> "RunInfo":
+        """One call made of several launches (a kernel whose program PyPTO's simulator cannot take whole): the
+        estimates add up, the level and verdicts are the weakest seen, cached only if every launch was."""
+        if len(runs) == 1:
+            return runs[0]
+        verdicts = {}
+        for r in runs:
+            for k, v in r.verdicts.items():
+                verdicts[k] = v if verdicts.get(k, "PASS") == "PASS" else verdicts[k]
+        return cls(sum(r.estimated_us for r in runs), sum(r.hub_us for r in runs),
+                   "compiled" if all(r.level == "compiled" for r in runs) else "graph", verdicts,
+                   " ".join(dict.fromkeys(r.tiles for r in runs)) + f" ({len(runs)} launches)",
+                   all(r.cached for r in runs))
+
 
 class PyptoBackend(Backend):
     name = "pypto"

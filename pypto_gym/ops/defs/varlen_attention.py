@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..args import FLOAT_DTYPES, ArgValueError, Choice, Float, Ints, Output, Tensor
+from ..backends.pypto_backend import RunInfo, Tiles
 from ..op import BenchSpec, Op
 
 CAST_MODES = ("hf", "fp32")
@@ -105,6 +106,88 @@ def _(backend, q, k, v, cu_seqlens, scale, cast_mode):
     return backend.ext.varlen_attention(q, k, v, list(cu_seqlens), float(scale), MODES[cast_mode])
 
 
-VARLEN_ATTENTION.not_on("pypto", "no PyPTO window-attention kernel yet (planned: two whole-K pypto.matmul tiles, "
-                                 "K = head_dim and the window, and a softmax)")
+# ---- pypto: each (window, head) pair padded to [L, D] (L and D rounded up to 16, padded keys masked by an additive
+# bias, padded columns zero), then S = q k^T as one pypto.matmul whose cube tile holds the whole K (head_dim), the
+# softmax on the vector unit in fp32 (exps rounded to the input dtype before P V as torch's CPU flash attention does,
+# divided by their fp32 sum at the end), and P V as one pypto.matmul holding the whole K (the window). Limits found
+# on PyPTO 0.2.0's SIM (each a compile in its own process, the numbers its compiled-level verification gave):
+PYPTO_MAX_WINDOW = 128  # a whole [L, L] fp32 score tile per pair; L 256 crashed PyPTO's compiler
+PYPTO_MATMUL_PAIRS = 32  # pairs per pypto.matmul: 64 in one matmul failed verification (MARE 0.2 >= 0.078)
+PYPTO_LAUNCH_PAIRS = 64  # pairs per launch: 256 failed verification, the page's 1008 ran out of 24 GiB simulating
+NEG_INF = -1e30
+
+
+def _pypto_supports(backend, q, k, v, cu_seqlens, scale, cast_mode):
+    if q.dtype == torch.float32:
+        return ("fp32 q/k/v: PyPTO 0.2.0's fp32 pypto.matmul misses its own compiled-level verification (measured: "
+                "relative error 3e-3 to 4e-2 against its 1.2e-3 threshold)")
+    if cast_mode == "fp32":
+        return "cast_mode fp32 keeps the probabilities in fp32 for P V: an fp32 pypto.matmul (see fp32 q/k/v)"
+    longest = max((b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])), default=0)
+    if longest > PYPTO_MAX_WINDOW:
+        return (f"a window of {longest} tokens: the kernel holds a whole [window, window] fp32 score tile (up to "
+                f"{PYPTO_MAX_WINDOW}); longer windows (full-attention blocks) need an online softmax over key tiles")
+    return backend.runs_on(q)
+
+
+def window_attention_kernel(pypto):
+    from ..backends import pypto_lib as pl
+
+    def window_attention(q: pypto.Tensor(), k: pypto.Tensor(), v: pypto.Tensor(), bias: pypto.Tensor(),
+                         out: pypto.Tensor(), scale, pairs, rows, cols):
+        B, L, D = q.shape[0], rows, cols
+        parts = []
+        for c in range(0, B, pairs):  # unrolled while tracing: one pypto.matmul per `pairs` (window, head) pairs
+            n = min(pairs, B - c)
+            qc = pypto.view(q, [n, L, D], [c, 0, 0])  # PyPTO's parser takes no generator expressions
+            kc = pypto.view(k, [n, L, D], [c, 0, 0])
+            vc = pypto.view(v, [n, L, D], [c, 0, 0])
+            pypto.set_cube_tile_shapes([L, L], [D, D], [L, L])  # m, k (= head_dim, whole), n
+            s = pypto.matmul(qc, kc, pl.FP32, b_trans=True)
+            pypto.set_vec_tile_shapes(1, L, L)
+            s = s * scale + pypto.view(bias, [n, 1, L], [c, 0, 0])
+            e = pypto.exp(s - pypto.amax(s, -1, keepdim=True))
+            total = pypto.sum(e, -1, keepdim=True)
+            pypto.set_cube_tile_shapes([L, L], [L, L], [D, D])  # k = the window, whole
+            o = pypto.matmul(pypto.cast(e, q.dtype), vc, pl.FP32)
+            pypto.set_vec_tile_shapes(1, L, D)
+            parts.append(o / total)
+        out[:] = pypto.cast(parts[0] if len(parts) == 1 else pypto.concat(parts, 0), out.dtype)
+    return window_attention
+
+
+def _padded_pairs(q, k, v, windows, D16):
+    """q, k, v of these windows as [windows x heads, L, D16] (zeros past a window's end and past D) and the key
+    bias [windows x heads, 1, L] (0 on a window's keys, -1e30 past its end)."""
+    H, D = q.shape[1], q.shape[2]
+    L = -(-max(b - a for a, b in windows) // 16) * 16
+    padded = [t.new_zeros(len(windows) * H, L, D16) for t in (q, k, v)]
+    bias = torch.full((len(windows) * H, 1, L), NEG_INF, dtype=torch.float32, device=q.device)
+    for j, (a, b) in enumerate(windows):
+        for p, t in zip(padded, (q, k, v)):
+            p[j * H:(j + 1) * H, :b - a, :D] = t[a:b].transpose(0, 1)
+        bias[j * H:(j + 1) * H, :, :b - a] = 0.0
+    return padded, bias
+
+
+@VARLEN_ATTENTION.impl("pypto", supports=_pypto_supports)
+def _(backend, q, k, v, cu_seqlens, scale, cast_mode):
+    T, H, D = q.shape
+    out = q.new_empty(T, H, D)
+    windows = [(a, b) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) if b > a]
+    D16, per_launch, runs = -(-D // 16) * 16, max(1, PYPTO_LAUNCH_PAIRS // H), []
+    for i in range(0, len(windows), per_launch):
+        group = windows[i:i + per_launch]
+        (qp, kp, vp), bias = _padded_pairs(q, k, v, group, D16)
+        o = torch.empty_like(qp)
+        backend.launch("varlen_attention", window_attention_kernel, qp, [qp, kp, vp, bias], [o],
+                       [float(scale), PYPTO_MATMUL_PAIRS], tiles=Tiles(qp.shape[1], D16))
+        runs.append(backend.last_run)
+        for j, (a, b) in enumerate(group):
+            out[a:b] = o[j * H:(j + 1) * H, :b - a, :D].transpose(0, 1)
+    if runs:
+        backend.last_run = RunInfo.of_launches(runs)
+    return out
+
+
 VARLEN_ATTENTION.not_on("npu", "the npu_fused_infer_attention_score (TND) mapping is not written yet")
