@@ -328,3 +328,38 @@ def test_rope_limits_are_the_documented_ones(npu, monkeypatch, args, reason):
     monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend310P3")
     older = Npu(NpuBackend(module_name="torch_npu_standin"))
     assert "must be 128 outside Atlas A2/A3" in older.supports("rope", *_text_rope(2, D=64), "fp32")
+
+
+def test_varlen_attention_is_one_tnd_fused_attention_call_with_the_head_size_padded(npu, monkeypatch):
+    """Every window in one npu_fused_infer_attention_score call (TND, cumulative ends, the empty window dropped),
+    head size 80 padded to 128 as vllm-ascend pads it and sliced back; within precision of the golden."""
+    seen = {}
+    real = torch_npu_standin.npu_fused_infer_attention_score
+
+    def spy(q, k, v, **kw):
+        seen.update(kw, shape=tuple(q.shape))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(torch_npu_standin, "npu_fused_infer_attention_score", spy)
+    gen = torch.Generator().manual_seed(0)
+    cu = [0, 64, 64, 128, 160]
+    q, k, v = (torch.randn(160, 4, 80, generator=gen).to(torch.bfloat16) for _ in range(3))
+    for mode in ("hf", "fp32"):
+        out = npu.varlen_attention(q, k, v, cu, 80 ** -0.5, mode)
+        assert out.shape == q.shape and out.is_contiguous()
+        assert_close(out, OPS["varlen_attention"].golden(q, k, v, cu, 80 ** -0.5, mode), OPS["varlen_attention"].outputs)
+    assert seen["shape"] == (160, 4, 128) and seen["input_layout"] == "TND" and seen["num_heads"] == 4
+    assert seen["actual_seq_lengths"] == seen["actual_seq_lengths_kv"] == [64, 128, 160]
+
+
+def test_varlen_attention_limits_are_the_documented_ones(npu, monkeypatch):
+    q = torch.randn(10, 2, 16)
+    assert "float32" in npu.supports("varlen_attention", q, q, q, [0, 10], 0.25, "hf")
+    qb = q.bfloat16()
+    assert npu.supports("varlen_attention", qb, qb, qb, [0, 10], 0.25, "hf") is None
+    monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend310P3")
+    npu.backend.series.cache_clear()
+    assert "A2/A3" in npu.supports("varlen_attention", qb, qb, qb, [0, 10], 0.25, "hf")
+    with pytest.raises(RuntimeError, match="A2/A3"):
+        torch_npu_standin.npu_fused_infer_attention_score(qb, qb, qb, actual_seq_lengths=[10],
+                                                          actual_seq_lengths_kv=[10], num_heads=2, input_layout="TND")

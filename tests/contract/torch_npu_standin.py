@@ -32,6 +32,12 @@ against this module, written from torch_npu's API pages:
       r1/r2 as 1S1D, BS1D or BSND (older series: D = 128).
   npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSND", rotary_mode="half") -> (query, key),
       rotated in place; B and S of all four equal, D equal, one dtype.
+  npu_fused_infer_attention_score(query, key, value, *, ..., actual_seq_lengths=None, actual_seq_lengths_kv=None,
+      num_heads=1, scale=1.0, pre_tokens=2147483647, next_tokens=2147483647, input_layout="BSH",
+      num_key_value_heads=0, sparse_mode=0, ...) -> (attention_out, softmax_lse): query fp16/bf16/int8, contiguous,
+      ND; Atlas A2/A3. Only the TND layout is stood in for (what vllm-ascend's vision attention calls): [T, N, D]
+      query, key/value [T, N_kv, D], actual_seq_lengths(_kv) the cumulative ends of each sequence; softmax in fp32,
+      the output rounded once.
 `npu.get_device_name()` reports the chip this stand-in pretends to be (`DEVICE_NAME`).
 """
 import types
@@ -341,3 +347,27 @@ def npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSND", rotary_mode="h
     query.copy_(_rotary(query, cos, sin))
     key.copy_(_rotary(key, cos, sin))
     return query, key
+
+
+def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
+                                    actual_seq_lengths_kv=None, num_heads=1, scale=1.0, pre_tokens=2147483647,
+                                    next_tokens=2147483647, input_layout="BSH", num_key_value_heads=0, sparse_mode=0,
+                                    **rest):
+    calls.append("npu_fused_infer_attention_score")
+    _check(_a2_a3(), "npu_fused_infer_attention_score: Atlas A2/A3 only")
+    _check(input_layout == "TND", f"stand-in: only the TND layout is stood in for, got {input_layout}")
+    _check(query.dtype in (torch.float16, torch.bfloat16) and key.dtype == value.dtype == query.dtype,
+           f"npu_fused_infer_attention_score: dtypes {query.dtype}, {key.dtype}, {value.dtype}")
+    _check(all(t.is_contiguous() and t.numel() for t in (query, key, value)), "non-contiguous or empty input")
+    _check(query.dim() == 3 and query.shape[1] == num_heads, f"query {tuple(query.shape)} is not [T, {num_heads}, D]")
+    _check(key.shape[1] == (num_key_value_heads or num_heads) and key.shape == value.shape, "key/value heads")
+    T = query.shape[0]
+    _check(actual_seq_lengths is not None and list(actual_seq_lengths_kv) == list(actual_seq_lengths),
+           "TND self-attention: actual_seq_lengths and actual_seq_lengths_kv given and equal")
+    ends = list(actual_seq_lengths)
+    _check(all(b > a for a, b in zip([0] + ends[:-1], ends)) and ends[-1] == T,
+           f"actual_seq_lengths {ends[:8]}...: cumulative ends rising to T = {T}")
+    _check(atten_mask is None and pse_shift is None and sparse_mode == 0 and pre_tokens == next_tokens == 2147483647,
+           "stand-in: the unmasked TND call only")
+    out = OPS["varlen_attention"].golden(query, key, value, [0] + ends, scale, cast_mode="fp32")
+    return out, torch.empty(1, dtype=query.dtype)

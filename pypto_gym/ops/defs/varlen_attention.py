@@ -17,7 +17,7 @@ op's shape, recorded in case files, and what the NPU's fused attention takes as 
 import torch
 import torch.nn.functional as F
 
-from ..args import FLOAT_DTYPES, ArgValueError, Choice, Float, Ints, Output, Tensor
+from ..args import FLOAT_DTYPES, ArgValueError, Choice, Float, Ints, Output, Tensor, dtype_name
 from ..backends.pypto_backend import RunInfo, Tiles
 from ..op import BenchSpec, Op
 
@@ -190,4 +190,32 @@ def _(backend, q, k, v, cu_seqlens, scale, cast_mode):
     return out
 
 
-VARLEN_ATTENTION.not_on("npu", "the npu_fused_infer_attention_score (TND) mapping is not written yet")
+# ---- npu: one npu_fused_infer_attention_score call in the TND layout (q, k, v [T, N, D] as they are), the windows as
+# actual_seq_lengths (cumulative ends, empty windows dropped: the form vllm-ascend's AscendMMEncoderAttention passes
+# for Qwen2.5-VL's vision attention), no mask, sparse_mode 0, pre/next tokens unbounded. vllm-ascend pads head sizes
+# between 64 and 128 to 128 before this call (Qwen2.5-VL's 80 among them) and slices the output back; so do we.
+# torch_npu 7.x keyword names (`scale`; 6.0's was `scale_value`).
+FIA_PADDED_D = 128
+FIA_ALL_TOKENS = 2 ** 31 - 1
+
+
+def _npu_supports(backend, q, k, v, cu_seqlens, scale, cast_mode):
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"npu_fused_infer_attention_score: query {dtype_name(q.dtype)} (float16, bfloat16 or int8 only)"
+    if not q.numel():
+        return "npu_fused_infer_attention_score: empty tensors are not supported"
+    if backend.series_of(q) != "a2_a3":
+        return "npu_fused_infer_attention_score: supported on Atlas A2/A3 chips only"
+    return None
+
+
+@VARLEN_ATTENTION.impl("npu", supports=_npu_supports)
+def _(backend, q, k, v, cu_seqlens, scale, cast_mode):
+    T, H, D = q.shape
+    pad = FIA_PADDED_D - D if 64 < D < FIA_PADDED_D else 0
+    q, k, v = [F.pad(t, (0, pad)) if pad else t.contiguous() for t in (q, k, v)]
+    ends = [b for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) if b > a]
+    out, _ = backend.torch_npu().npu_fused_infer_attention_score(
+        q, k, v, actual_seq_lengths=ends, actual_seq_lengths_kv=ends, num_heads=H, num_key_value_heads=H,
+        input_layout="TND", scale=float(scale), sparse_mode=0, pre_tokens=FIA_ALL_TOKENS, next_tokens=FIA_ALL_TOKENS)
+    return out[..., :D].contiguous() if pad else out
