@@ -124,7 +124,11 @@ def test_hooks_are_removed_on_exit_and_on_exception(tiny_loaded, sample_inputs):
 
 
 def _write(tmp_path, mutate):
+    """The committed file with its first rms_norm case moved to the front and mutated."""
     doc = json.loads(CASE_FILES[0].read_text())
+    first = next(c for c in doc["test_cases"] if c["op"] == "rms_norm")
+    doc["test_cases"].remove(first)
+    doc["test_cases"].insert(0, first)
     mutate(doc["test_cases"][0])
     p = tmp_path / "bad.json"
     p.write_text(json.dumps(doc))

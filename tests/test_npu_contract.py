@@ -363,3 +363,39 @@ def test_varlen_attention_limits_are_the_documented_ones(npu, monkeypatch):
     with pytest.raises(RuntimeError, match="A2/A3"):
         torch_npu_standin.npu_fused_infer_attention_score(qb, qb, qb, actual_seq_lengths=[10],
                                                           actual_seq_lengths_kv=[10], num_heads=2, input_layout="TND")
+
+
+@pytest.mark.parametrize("case", ["causal prefill", "masked decode", "decode", "masked prefill"])
+def test_decoder_attention_is_one_bnsd_fused_attention_call(npu, monkeypatch, case):
+    """GQA through num_key_value_heads (no repeated KV heads), a causal prefill as sparse_mode 3 with the documented
+    2048 x 2048 mask, a padding mask inverted (FIA masks where True); within precision of HF's sdpa (the golden)."""
+    seen = {}
+    real = torch_npu_standin.npu_fused_infer_attention_score
+
+    def spy(q, k, v, **kw):
+        seen.update(kw, k_shape=tuple(k.shape))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(torch_npu_standin, "npu_fused_infer_attention_score", spy)
+    op = OPS["decoder_attention"]
+    S, Skv = {"causal prefill": (12, 12), "masked decode": (1, 50), "decode": (1, 50), "masked prefill": (6, 20)}[case]
+    ex = {"B": 2, "Hq": 16, "Hkv": 2, "S": S, "Skv": Skv, "D": 128, "scale": 128 ** -0.5, "is_causal": True}
+    if case in ("causal prefill", "decode"):
+        ex["attn_mask"] = None
+    args = op.example_args(ex)
+    out = npu.decoder_attention(*args)
+    assert_close(out, op.golden(*args), op.outputs)
+    assert seen["input_layout"] == "BNSD" and seen["num_heads"] == 16 and seen["num_key_value_heads"] == 2
+    assert seen["k_shape"] == (2, 2, Skv, 128)
+    assert seen.get("sparse_mode", 0) == (3 if case == "causal prefill" else 0)
+    if case.startswith("masked"):
+        assert torch.equal(seen["atten_mask"], ~args[5])
+
+
+def test_decoder_attention_limits_are_the_documented_ones(npu, monkeypatch):
+    op = OPS["decoder_attention"]
+    args = op.example_args(op.examples[4])  # fp32
+    assert "float32" in npu.supports("decoder_attention", *args)
+    monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend310P3")
+    args = op.example_args(op.examples[1])
+    assert "A2/A3" in npu.supports("decoder_attention", *args)

@@ -119,6 +119,19 @@ def test_varlen_attention_declines_what_its_kernel_cannot_verify():
             ops.OPS["varlen_attention"].call(args, "pypto", ops.Stats())
 
 
+def test_decoder_attention_declines_a_prefill_and_fp32_with_the_reason():
+    """The PyPTO kernel is the decode step's: a prefill (and fp32) goes to the fallback, counted; strict raises."""
+    op = ops.OPS["decoder_attention"]
+    for example, reason in ((0, "a prefill of 9 tokens"), (4, "fp32 q/k/v")):
+        args = op.example_args(op.examples[example])
+        stats = ops.Stats()
+        with config.scoped(strict=False):
+            op.call(args, "pypto", stats)
+        assert stats.ran == {"torch": 1} and any(reason in why for why in stats.fallbacks), stats.fallbacks
+        with config.scoped(strict=True), pytest.raises(ops.BackendFallbackError, match=reason):
+            op.call(args, "pypto", ops.Stats())
+
+
 def test_adaptation_checks_the_installed_version(monkeypatch):
     assert pypto_compat.check_version() == "0.2.0"
     monkeypatch.setattr(pypto_compat, "installed_version", lambda: "0.3.0")
@@ -403,11 +416,19 @@ def test_bench_pypto_and_bench_layer_run_and_write_their_json(tmp_path):
     rows = data["rows"]
     assert len(rows) == 2 and all(r["est_npu_us"] > 0 and r["copy_us"] > 0 and r["unfused_us"] > 0 for r in rows)
     assert data["not_simulated"] == [cases[2]["id"]]  # the prefill MLP is above 4096 elements
-    assert main(["bench", "layer", "--tokens", "4", "--vision-tokens", "16", "--json", str(tmp_path / "l.json")]) == 0
+    assert main(["bench", "layer", "--tokens", "4", "--vision-tokens", "16", "--kv", "64,300", "--json",
+                 str(tmp_path / "l.json")]) == 0
     parts = json.loads((tmp_path / "l.json").read_text())["parts"]
-    assert len(parts) == 3
-    for part in parts.values():
-        assert part["totals"]["hf_kernels"] > 5 * part["totals"]["fused_kernels"] == 25
+    assert [p["kv"] for p in parts.values()] == [0, 64, 300, 0]  # prefill, a decode step per KV length, vision
+    for title, part in parts.items():
+        windows = [r for r in part["rows"] if r["fused_op"].startswith("attention")]  # a vision block's windows
+        decode = [r for r in part["rows"] if r["fused_op"] == "decode attn"]  # a decode step over the KV cache
+        assert len(windows) == ("vision" in title) and len(decode) == ("decode" in title)
+        assert part["totals"]["hf_kernels"] > 25 and part["totals"]["fused_kernels"] == 5 + len(windows + decode)
+        for r in windows:  # one 16-patch window: HF's attention + its torch.cat, against one fused launch
+            assert r["hf_kernels"] == 2 and r["fused_kernels"] == 1 and r["hf_us"] > r["fused_us"] > 0
+        for r in decode:  # the KV floor: 2 KV heads x 128 x bf16, keys and values, at 1.6 TB/s
+            assert r["fused_us"] > r["kv_floor_us"] == pytest.approx(2 * 2 * part["kv"] * 128 * 2 / 1.6e6)
         assert part["gemms"]["kernels"] in (5, 7) and part["gemms"]["us"] >= part["gemms"]["weight_floor_us"] > 0
     w8a8 = json.loads((tmp_path / "l.json").read_text())["w8a8"]
     assert set(w8a8) == {"prefill", "decode"} and w8a8["decode"]["tokens"] == 1

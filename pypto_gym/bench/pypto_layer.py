@@ -4,8 +4,9 @@ layer and one vision block, every non-GEMM kernel HF eager launches against pypt
 `hf_kernels(op, args)` lists, for one call of a fused op, the torch ops HF's code runs for the same result
 (each op's definition says, in its BenchSpec: RMSNorm's eight, swiglu's silu and mul, the rotary function's
 five per tensor, the vision function's casts), each as the PyPTO kernel it would be (pypto_kernels.py).
-`bench pypto` sums their estimates per captured case; `bench layer` adds the residual adds, counts launches per
-layer and per forward, and puts the layer's GEMMs beside them on a stated roofline (the same launches either way);
+`bench pypto` sums their estimates per captured case; `bench layer` adds the residual adds and a vision block's
+windowed attention (HF's per-window loop against the fused op), counts launches per layer and per forward, and puts
+the layer's GEMMs beside them on a stated roofline (the same launches either way);
 then a text layer's W8A8 quant kernels, the dynamic scheme's beside the static one's (msModelSlim's W8A8).
 PyPTO's estimates are AICore time: the launch of each kernel is not in them, so totals are also
 given with a stated per-launch cost.
@@ -16,6 +17,7 @@ import torch
 
 from .. import hardware
 from ..ops import OPS
+from ..ops.defs.varlen_attention import PAGE_T, PAGE_WINDOWS, PYPTO_LAUNCH_PAIRS, PYPTO_MAX_WINDOW, windows
 from . import pypto_kernels as K
 from .timing import header, write_json
 
@@ -24,6 +26,7 @@ from .timing import header, write_json
 # mhc_post performance table is 21 us, aclnnMul's 80 us).
 LAUNCH_US = (5.0, 20.0)
 TEXT_LAYERS, VISION_BLOCKS = 36, 32  # GutenOCR-3B (modeling/gutenocr_3b/config.json)
+WINDOW_BLOCKS = VISION_BLOCKS - 4  # fullatt_block_indexes 7, 15, 23, 31 attend over the whole image
 # The GEMMs are a stated roofline, not a PyPTO estimate (this project has no pypto.matmul kernel yet): a GEMM
 # takes max(FLOPs / the cube peak, bytes moved / HBM bandwidth) at these quoted Ascend 910B2 figures.
 CUBE_TFLOPS = 376.0  # fp16/bf16 cube peak quoted for the 910B2 (a stated figure, not measured)
@@ -75,27 +78,50 @@ def gemm_roofline(phase: str, M: int) -> dict:
 
 
 # ---- bench layer -------------------------------------------------------------------------------------------
-def _layer_calls(phase: str, S: int, dtype):
-    """The fused ops of one text layer (phase prefill/decode, S tokens) or one vision block (S patches)."""
+def _layer_calls(phase: str, S: int, dtype, kv: int = 0):
+    """The fused ops of one text layer (phase prefill/decode, S tokens; a decode step attends over kv cached
+    tokens) or one vision block (S patches)."""
     from ..ops.defs.rope import hf_text_layout
 
     gen = torch.Generator().manual_seed(0)
     if phase == "vision":
         D, I, heads, hd = 1280, 3420, 16, 80
         x = torch.randn(S, D, generator=gen).to(dtype)
-        q, k, _ = torch.randn(S, 3 * D, generator=gen).to(dtype).reshape(S, 3, heads, hd).permute(1, 0, 2, 3).unbind(0)
+        q, k, v = torch.randn(S, 3 * D, generator=gen).to(dtype).reshape(S, 3, heads, hd).permute(1, 0, 2, 3).unbind(0)
         emb = torch.rand(S, hd, generator=gen)
         rope = ("rope", (q, k, emb.cos(), emb.sin(), [], -2, "fp32"))
+        cu = PAGE_WINDOWS if S == PAGE_T else windows([64] * (S // 64) + [S % 64])
+        attention = ("window attention", "varlen_attention", (*(t.contiguous() for t in (q, k, v)), cu, hd ** -0.5, "hf"))
     else:
         D, I = 2048, 11008
         x = torch.randn(1, S, D, generator=gen).to(dtype)
         rope = ("rope", (*hf_text_layout(S, 16, 2, 128, dtype, gen), [], 1, "hf"))
+        if phase == "decode":  # GutenOCR-3B: 16 query heads, 2 KV heads, head_dim 128
+            q, k, v = (torch.randn(1, h, n, 128, generator=gen).to(dtype) for h, n in ((16, 1), (2, kv), (2, kv)))
+            attention = (f"attention (KV {kv})", "decoder_attention", (q, k, v, 128 ** -0.5, True, None, "pack"))
     gamma = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype)
     g = torch.randn(*x.shape[:-1], I, generator=gen).to(dtype)
-    # a layer: norm -> attention (its rotary call) -> add + norm -> MLP (swiglu) -> residual add
+    # a layer: norm -> attention (its rotary call; a vision block's windowed attention) -> add + norm -> MLP (swiglu)
+    # -> residual add
     return [("input norm", "rms_norm", (x, gamma, 1e-6, "hf")), ("rotary", *rope),
+            *([attention] if phase != "prefill" else []),
             ("add + post-attention norm", "add_rms_norm", (x, x, gamma, 1e-6, "hf", "rounded")),
             ("MLP activation", "swiglu", (g, g, "hf")), ("residual add (MLP)", "add", (x, x))]
+
+
+def window_attention_row(label: str, args) -> dict:
+    """A window block's attention. HF loops over the windows: one attention per window, costed as pypto-gym's own
+    kernel on that window alone (the fewest kernels HF's loop could launch per window), then torch.cat of the
+    outputs (a copy kernel of the same bytes). pypto-gym: the fused op's launches (64 (window, head) pairs each)."""
+    q, k, v, cu, scale, mode = args
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:]) if b > a]
+    one = {n: fused_us("varlen_attention", (q[:n], k[:n], v[:n], [0, n], scale, mode)) for n in sorted(set(lengths))}
+    cat_us = K.copy_us(2 * q.numel() * q.element_size(), q.shape[0])
+    launches = -(-len(lengths) // max(1, PYPTO_LAUNCH_PAIRS // q.shape[1]))
+    return {"part": f"{label} ({len(lengths)} win.)", "hf_kernels": len(lengths) + 1,
+            "hf_us": sum(one[n] for n in lengths) + cat_us, "fused_kernels": launches,
+            "fused_us": fused_us("varlen_attention", args), "fused_op": f"attention x{launches}",
+            "blocks": WINDOW_BLOCKS}
 
 
 def _w8a8_calls(S: int, dtype):
@@ -116,20 +142,33 @@ def _w8a8_calls(S: int, dtype):
              [("static_quant", (x, scale, offset, None))])]
 
 
-def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None) -> int:
+def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None, kv_lengths=(1024, 4096)) -> int:
     print(header("bench layer"))
     print(f"PyPTO SIM, Ascend 910B2 cost model: estimated AICore us per kernel (launch overhead not included; "
           f"totals also with {LAUNCH_US[0]:g}-{LAUNCH_US[1]:g} us per launch, a stated range). GutenOCR-3B: "
           f"{TEXT_LAYERS} text layers, {VISION_BLOCKS} vision blocks; bf16; transformers 5.x's code. The GEMMs: a "
           f"stated roofline (max of {CUBE_TFLOPS:g} TFLOPS cube peak and {HBM_TBPS:g} TB/s HBM), not a PyPTO "
-          f"estimate; attention's own matmuls are in neither.")
+          f"estimate. A vision block's windowed attention: HF's per-window loop vs the fused op, both PyPTO "
+          f"estimates (a window block's; the 4 full-attention blocks' attention is not costed: the PyPTO kernel "
+          f"holds windows up to {PYPTO_MAX_WINDOW}). A decode step's attention over its KV cache: the PyPTO decode "
+          f"kernel on both sides (HF's sdpa is one fused attention on the NPU too), with the KV-read floor; the "
+          f"prefill's causal attention is not costed (no PyPTO prefill kernel).")
     result = {"bench": "layer", "machine": hardware.capability(), "launch_us_range": list(LAUNCH_US),
               "gemm_roofline": {"cube_tflops": CUBE_TFLOPS, "hbm_tbps": HBM_TBPS, "stated": True}, "parts": {}}
-    for part, phase, tokens, per_forward in (("text layer", "prefill", S, TEXT_LAYERS),
-                                             ("text layer", "decode", 1, TEXT_LAYERS),
-                                             ("vision block", "vision", vision_tokens, VISION_BLOCKS)):
+    for part, phase, tokens, per_forward, kv in (("text layer", "prefill", S, TEXT_LAYERS, 0),
+                                                 *(("text layer", "decode", 1, TEXT_LAYERS, n) for n in kv_lengths),
+                                                 ("vision block", "vision", vision_tokens, VISION_BLOCKS, 0)):
         rows = []
-        for label, op, args in _layer_calls(phase, tokens, torch.bfloat16):
+        for label, op, args in _layer_calls(phase, tokens, torch.bfloat16, kv):
+            if op == "varlen_attention":
+                rows.append(window_attention_row(label, args))
+                continue
+            if op == "decoder_attention":  # HF's sdpa is one fused attention on the NPU too: the same kernel
+                us = fused_us(op, args)
+                kv_bytes = 2 * args[1].numel() * args[1].element_size()
+                rows.append({"part": label, "hf_kernels": 1, "hf_us": us, "fused_kernels": 1, "fused_us": us,
+                             "fused_op": "decode attn", "kv_floor_us": kv_bytes / (HBM_TBPS * 1e12) * 1e6})
+                continue
             if op == "add":  # the residual add after the MLP: one kernel either way (it ends the layer)
                 x1, x2 = (x.reshape(-1, x.shape[-1]) for x in args)
                 us = K.estimate("add", [x1, x2], x1.shape, x1.dtype)
@@ -140,7 +179,7 @@ def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None) -> int:
             rows.append({"part": label, "hf_kernels": n, "hf_us": hf_total, "fused_kernels": 1,
                          "fused_us": fused_us(op, args), "fused_op": op})
         tot = {k: sum(r[k] for r in rows) for k in ("hf_kernels", "hf_us", "fused_kernels", "fused_us")}
-        title = f"{part}, {phase} ({tokens} tokens)"
+        title = f"{part}, {phase} ({tokens} tokens{f', KV {kv}' if kv else ''})"
         print(f"\n{title}\n{'part':<28} {'HF kernels':>10} {'HF us':>9} {'fused op':<14} {'fused us':>9} {'ratio':>6}")
         for r in rows:
             print(f"{r['part']:<28} {r['hf_kernels']:>10} {r['hf_us']:>9.1f} {r['fused_op']:<14} {r['fused_us']:>9.1f} "
@@ -153,13 +192,16 @@ def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None) -> int:
               f"{gemms['us']:>9.1f}  (" + ", ".join(f"{r['gemm']} {r['us']:.1f} {r['bound']}" for r in gemms["rows"])
               + f"; weight-read floor {gemms['weight_floor_us']:.1f} us)")
         for label, n in ((f"per {part}", 1), (f"per forward (x{per_forward})", per_forward)):
-            hf_n, fu_n = n * (tot["hf_kernels"] + gemms["kernels"]), n * (tot["fused_kernels"] + gemms["kernels"])
-            hf_us, fu_us = n * (tot["hf_us"] + gemms["us"]), n * (tot["fused_us"] + gemms["us"])
+            def times(key):  # a row with "blocks" (the window attention) counts for that many blocks of a forward
+                return sum(r.get(key, 0) * min(n, r.get("blocks", n)) for r in rows)
+            hf_n, fu_n = times("hf_kernels") + n * gemms["kernels"], times("fused_kernels") + n * gemms["kernels"]
+            hf_us, fu_us = times("hf_us") + n * gemms["us"], times("fused_us") + n * gemms["us"]
             print(f"  {label}, with the GEMMs: HF {hf_n} launches, {hf_us:.0f} us AICore ({hf_us + lo * hf_n:.0f}-"
                   f"{hf_us + hi * hf_n:.0f} us with launches); pypto-gym {fu_n} launches, {fu_us:.0f} us "
                   f"({fu_us + lo * fu_n:.0f}-{fu_us + hi * fu_n:.0f} us); weight-read floor "
-                  f"{n * gemms['weight_floor_us']:.0f} us")
-        result["parts"][title] = {"rows": rows, "totals": tot, "per_forward": per_forward, "gemms": gemms}
+                  f"{n * gemms['weight_floor_us']:.0f} us"
+                  + (f" + KV-read floor {times('kv_floor_us'):.0f} us" if kv else ""))
+        result["parts"][title] = {"rows": rows, "totals": tot, "per_forward": per_forward, "gemms": gemms, "kv": kv}
     result["w8a8"] = {}
     for phase, tokens in (("prefill", S), ("decode", 1)):
         rows = []

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import BENCH_OUT, POSITIVE, UserError, bench_outputs
+from .common import BENCH_OUT, POSITIVE, POSITIVE_LIST, UserError, bench_outputs
 
 
 def add_parser(sub):
@@ -88,6 +88,8 @@ def add_parser(sub):
     b.add_argument("--tokens", type=POSITIVE, default=512, help="prefill tokens of the text layer")
     b.add_argument("--vision-tokens", type=POSITIVE, default=3744, help="patches of the vision block (3744: the "
                                                                         "document page)")
+    b.add_argument("--kv", type=POSITIVE_LIST, default=[1024, 4096],
+                   help="KV lengths of the decode step's attention, one decode table each (default 1024,4096)")
     b.add_argument("--json", help=f"default: {BENCH_OUT}/layer.json")
     b.set_defaults(func=cmd_bench_layer, png=None)  # a table and its JSON; no plot
 
@@ -155,7 +157,7 @@ def cmd_bench_layer(args) -> int:
     from ..bench import pypto_layer
 
     json_path, _ = bench_outputs(args, "layer")
-    return pypto_layer.run_layer(args.tokens, args.vision_tokens, json_path)
+    return pypto_layer.run_layer(args.tokens, args.vision_tokens, json_path, kv_lengths=args.kv)
 
 
 def cmd_bench_vllm(args) -> int:

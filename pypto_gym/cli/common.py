@@ -38,6 +38,14 @@ def _int_at_least(low: int):
 POSITIVE, NON_NEGATIVE = _int_at_least(1), _int_at_least(0)
 
 
+def POSITIVE_LIST(text):  # noqa: N802 - an argparse type, named like the others
+    """A comma-separated list of positive integers ("1024,4096")."""
+    return [POSITIVE(part) for part in text.split(",")]
+
+
+POSITIVE_LIST.__name__ = "comma-separated integers >= 1"
+
+
 # ---- the model a command runs on ------------------------------------------------------------------
 def add_model_args(ap, many: bool = False, random_weights: bool = False):
     """Model and input flags; with many, --image/--prompt may repeat (capture runs every pair)."""

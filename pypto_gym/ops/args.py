@@ -20,7 +20,8 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-               "int8": torch.int8, "int32": torch.int32, "int64": torch.int64, "float64": torch.float64}
+               "int8": torch.int8, "int32": torch.int32, "int64": torch.int64, "float64": torch.float64,
+               "bool": torch.bool}  # bool: attention masks
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a Parameter is a plain tensor here
 _EMPTY = object()
 

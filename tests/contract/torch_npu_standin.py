@@ -35,9 +35,12 @@ against this module, written from torch_npu's API pages:
   npu_fused_infer_attention_score(query, key, value, *, ..., actual_seq_lengths=None, actual_seq_lengths_kv=None,
       num_heads=1, scale=1.0, pre_tokens=2147483647, next_tokens=2147483647, input_layout="BSH",
       num_key_value_heads=0, sparse_mode=0, ...) -> (attention_out, softmax_lse): query fp16/bf16/int8, contiguous,
-      ND; Atlas A2/A3. Only the TND layout is stood in for (what vllm-ascend's vision attention calls): [T, N, D]
-      query, key/value [T, N_kv, D], actual_seq_lengths(_kv) the cumulative ends of each sequence; softmax in fp32,
-      the output rounded once.
+      ND; Atlas A2/A3. Two layouts are stood in for: TND (what vllm-ascend's vision attention calls): [T, N, D]
+      query, key/value [T, N_kv, D], actual_seq_lengths(_kv) the cumulative ends of each sequence, no mask; and
+      BNSD: query [B, N, S, D], key/value [B, N_kv, S_kv, D] (N a multiple of num_key_value_heads: query head h
+      reads KV head h // (N / N_kv)), atten_mask bool True where a position is masked, [B, 1, S, S_kv] with
+      sparse_mode 0, or the 2048 x 2048 upper-triangular mask with sparse_mode 3 (causal, S = S_kv here).
+      Softmax in fp32, the output rounded once.
 `npu.get_device_name()` reports the chip this stand-in pretends to be (`DEVICE_NAME`).
 """
 import types
@@ -355,10 +358,14 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
                                     **rest):
     calls.append("npu_fused_infer_attention_score")
     _check(_a2_a3(), "npu_fused_infer_attention_score: Atlas A2/A3 only")
-    _check(input_layout == "TND", f"stand-in: only the TND layout is stood in for, got {input_layout}")
+    _check(input_layout in ("TND", "BNSD"), f"stand-in: only the TND and BNSD layouts are stood in for, got "
+                                            f"{input_layout}")
     _check(query.dtype in (torch.float16, torch.bfloat16) and key.dtype == value.dtype == query.dtype,
            f"npu_fused_infer_attention_score: dtypes {query.dtype}, {key.dtype}, {value.dtype}")
     _check(all(t.is_contiguous() and t.numel() for t in (query, key, value)), "non-contiguous or empty input")
+    if input_layout == "BNSD":
+        return _fia_bnsd(query, key, value, atten_mask, num_heads, num_key_value_heads, scale, sparse_mode), \
+            torch.empty(1, dtype=query.dtype)
     _check(query.dim() == 3 and query.shape[1] == num_heads, f"query {tuple(query.shape)} is not [T, {num_heads}, D]")
     _check(key.shape[1] == (num_key_value_heads or num_heads) and key.shape == value.shape, "key/value heads")
     T = query.shape[0]
@@ -371,3 +378,30 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
            "stand-in: the unmasked TND call only")
     out = OPS["varlen_attention"].golden(query, key, value, [0] + ends, scale, cast_mode="fp32")
     return out, torch.empty(1, dtype=query.dtype)
+
+
+def _fia_bnsd(query, key, value, atten_mask, num_heads, num_key_value_heads, scale, sparse_mode):
+    B, N, S, D = query.shape
+    Nkv, Skv = key.shape[1], key.shape[2]
+    _check(query.dim() == 4 and N == num_heads and Nkv == (num_key_value_heads or num_heads) and N % Nkv == 0,
+           f"BNSD: query {tuple(query.shape)}, key {tuple(key.shape)}, num_heads {num_heads}, "
+           f"num_key_value_heads {num_key_value_heads}")
+    _check(key.shape == value.shape and key.shape[0] == B and key.shape[3] == D, "BNSD: key/value shapes")
+    masked = None
+    if sparse_mode == 3:
+        _check(atten_mask is not None and atten_mask.dtype == torch.bool and tuple(atten_mask.shape) == (2048, 2048)
+               and torch.equal(atten_mask, torch.ones(2048, 2048, dtype=torch.bool).triu(1)),
+               "sparse_mode 3: atten_mask must be the 2048 x 2048 upper-triangular bool mask")
+        _check(S == Skv, "stand-in: sparse_mode 3 with S == S_kv only")
+        masked = atten_mask[:S, :Skv]
+    elif atten_mask is not None:
+        _check(sparse_mode == 0 and atten_mask.dtype == torch.bool and tuple(atten_mask.shape) == (B, 1, S, Skv),
+               f"atten_mask {tuple(atten_mask.shape)} {atten_mask.dtype} with sparse_mode {sparse_mode}: expected bool "
+               f"[B, 1, S, S_kv] with sparse_mode 0")
+        masked = atten_mask
+    groups = N // Nkv
+    k, v = (t.float().repeat_interleave(groups, dim=1) for t in (key, value))
+    scores = query.float() @ k.transpose(-1, -2) * scale
+    if masked is not None:
+        scores = scores.masked_fill(masked, float("-inf"))
+    return (scores.softmax(-1) @ v).to(query.dtype)

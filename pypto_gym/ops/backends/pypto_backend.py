@@ -41,6 +41,10 @@ from .. import registry
 from ..registry import Backend, register
 
 UB_BYTES = 192 * 1024  # Ascend 910B unified buffer per vector core
+# Batched pypto.matmul (the attention kernels): (window or KV head, head) pairs per matmul and per launch that
+# PyPTO 0.2.0's SIM verifies; 64 pairs in one matmul failed its compiled-level verification (MARE 0.2 >= 0.078)
+MATMUL_PAIRS = 32
+MASKED = -1e30  # an additive score bias that masks a key (exp underflows to 0 in fp32)
 LIVE_FP32_ROWS = 3  # x, the normalised row and one temporary, all fp32, live in one tile
 _SOURCES = [Path(__file__).with_name(n) for n in ("pypto_lib.py", "pypto_backend.py", "pypto_compat.py")]
 

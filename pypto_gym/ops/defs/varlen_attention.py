@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..args import FLOAT_DTYPES, ArgValueError, Choice, Float, Ints, Output, Tensor, dtype_name
-from ..backends.pypto_backend import RunInfo, Tiles
+from ..backends.pypto_backend import MASKED, MATMUL_PAIRS, RunInfo, Tiles
 from ..op import BenchSpec, Op
 
 CAST_MODES = ("hf", "fp32")
@@ -112,9 +112,7 @@ def _(backend, q, k, v, cu_seqlens, scale, cast_mode):
 # divided by their fp32 sum at the end), and P V as one pypto.matmul holding the whole K (the window). Limits found
 # on PyPTO 0.2.0's SIM (each a compile in its own process, the numbers its compiled-level verification gave):
 PYPTO_MAX_WINDOW = 128  # a whole [L, L] fp32 score tile per pair; L 256 crashed PyPTO's compiler
-PYPTO_MATMUL_PAIRS = 32  # pairs per pypto.matmul: 64 in one matmul failed verification (MARE 0.2 >= 0.078)
 PYPTO_LAUNCH_PAIRS = 64  # pairs per launch: 256 failed verification, the page's 1008 ran out of 24 GiB simulating
-NEG_INF = -1e30
 
 
 def _pypto_supports(backend, q, k, v, cu_seqlens, scale, cast_mode):
@@ -162,7 +160,7 @@ def _padded_pairs(q, k, v, windows, D16):
     H, D = q.shape[1], q.shape[2]
     L = -(-max(b - a for a, b in windows) // 16) * 16
     padded = [t.new_zeros(len(windows) * H, L, D16) for t in (q, k, v)]
-    bias = torch.full((len(windows) * H, 1, L), NEG_INF, dtype=torch.float32, device=q.device)
+    bias = torch.full((len(windows) * H, 1, L), MASKED, dtype=torch.float32, device=q.device)
     for j, (a, b) in enumerate(windows):
         for p, t in zip(padded, (q, k, v)):
             p[j * H:(j + 1) * H, :b - a, :D] = t[a:b].transpose(0, 1)
@@ -181,7 +179,7 @@ def _(backend, q, k, v, cu_seqlens, scale, cast_mode):
         (qp, kp, vp), bias = _padded_pairs(q, k, v, group, D16)
         o = torch.empty_like(qp)
         backend.launch("varlen_attention", window_attention_kernel, qp, [qp, kp, vp, bias], [o],
-                       [float(scale), PYPTO_MATMUL_PAIRS], tiles=Tiles(qp.shape[1], D16))
+                       [float(scale), MATMUL_PAIRS], tiles=Tiles(qp.shape[1], D16))
         runs.append(backend.last_run)
         for j, (a, b) in enumerate(group):
             out[a:b] = o[j * H:(j + 1) * H, :b - a, :D].transpose(0, 1)

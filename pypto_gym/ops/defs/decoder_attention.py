@@ -1,0 +1,206 @@
+"""decoder_attention (SPEC 14): a text decoder layer's attention over HF's KV cache, as transformers' `sdpa`
+attention function computes it: softmax(q k^T * scale + mask) v per query head, GQA (several query heads per KV
+head), causal prefill or a masked / unmasked decode step.
+
+q is [B, Hq, S, D] (the S new tokens), k and v are [B, Hkv, Skv, D] (the cache after this step's update), Hq a
+multiple of Hkv; the output is [B, S, Hq, D] (what HF's attention interface returns, before `o_proj`). The mask is
+what transformers' `sdpa_mask` builds: None, or bool [B, 1, S, Skv] with True where a query may attend (padding in
+a batch, a chunked prefill). `is_causal` is the module's flag: it applies when there is no mask and S > 1, top-left
+aligned (HF crops the keys to S when a static cache hands it more).
+
+How HF hands GQA to torch's sdpa (transformers 5.x, `integrations/sdpa_attention.py`; the golden follows it step
+by step, so the `torch` backend is bit-identical to HF): no mask -> `enable_gqa`; a masked decode step (S = 1) ->
+the query heads of each KV head packed as rows (`pack_gqa`, 5.x) or the KV heads repeated (`repeat_kv`, 4.57; in
+fp32 and fp16 the two round differently, so `decode_gqa` says which transformers' form to follow); a masked
+prefill -> `repeat_kv`.
+
+The KV length is a shape: captured into case files like every op, so the 1k and 4k KV decode steps of a
+document's answer are cases.
+"""
+import torch
+import torch.nn.functional as F
+
+from ..args import FLOAT_DTYPES, ArgValueError, Bool, Choice, Float, Output, Tensor, dtype_name
+from ..backends.pypto_backend import MASKED, MATMUL_PAIRS, RunInfo, Tiles
+from ..op import Op
+
+DECODE_GQA = ("pack", "repeat")
+
+
+def _repeat_kv(t, groups):
+    B, H, S, D = t.shape
+    return t[:, :, None].expand(B, H, groups, S, D).reshape(B, H * groups, S, D)
+
+
+def decoder_attention(q, k, v, scale, is_causal, attn_mask=None, decode_gqa="pack"):
+    """HF's sdpa attention function on these arguments: [B, S, Hq, D]."""
+    B, Hq, S, D = q.shape
+    groups = Hq // k.shape[1]
+    gqa = {}
+    if groups > 1:
+        if attn_mask is None and k.shape[-1] == v.shape[-1] <= 256:
+            gqa["enable_gqa"] = True
+        elif S == 1 and decode_gqa == "pack":  # one query row per head: the heads of a KV head as its rows
+            q = q.reshape(B, Hq // groups, groups, D)
+        else:
+            k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    causal = bool(is_causal and S > 1 and attn_mask is None)
+    if causal and k.shape[2] > S:  # HF: an empty static cache's keys beyond the prompt are cropped
+        k, v = k[:, :, :S], v[:, :, :S]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=causal, **gqa)
+    return out.reshape(out.shape[0], -1, S, v.shape[-1]).transpose(1, 2).contiguous()
+
+
+def padded_causal_mask(shape, gen):
+    """A mask as transformers builds it for a left-padded batch: query i of sequence b sees keys pad_b ... its own
+    position (Skv - S + i); pad_b <= Skv - S, so every query sees at least one key."""
+    B, _, S, Skv = shape
+    pad = torch.randint(0, Skv - S + 1, (B,), generator=gen)
+    j, i = torch.arange(Skv), torch.arange(S)
+    return (j >= pad[:, None, None, None]) & (j <= i[:, None] + Skv - S)
+
+
+def _check(ctx, q, k, v, scale, is_causal, attn_mask, decode_gqa):
+    Hq, Hkv = q.shape[1], k.shape[1]
+    if Hq % Hkv:
+        raise ArgValueError("k", f"{Hkv} KV heads for {Hq} query heads; expected Hq a multiple of Hkv")
+    if is_causal and attn_mask is None and 1 < q.shape[2] and k.shape[2] < q.shape[2]:
+        raise ArgValueError("k", f"{k.shape[2]} keys for {q.shape[2]} causal queries; expected at least as many keys")
+
+
+DECODER_ATTENTION = Op(decoder_attention, [
+    Tensor("q", "B Hq S D", FLOAT_DTYPES, case="query"),
+    Tensor("k", "B Hkv Skv D", None, like="q", case="key"),
+    Tensor("v", "B Hkv Skv D", None, like="q", case="value"),
+    Float("scale", low=0.0, low_open=True),
+    Bool("is_causal"),
+    Tensor("attn_mask", "B 1 S Skv", (torch.bool,), optional=True, gen=padded_causal_mask, case="attention_mask"),
+    Choice("decode_gqa", DECODE_GQA, default="pack", kw_only=True),
+], [Output("out", "mixture")], check=_check, min_dims={"D": 1, "Hq": 1, "Hkv": 1, "S": 1, "Skv": 1},
+    examples=({"B": 1, "Hq": 4, "Hkv": 2, "S": 9, "Skv": 9, "D": 32, "attn_mask": None, "scale": 32 ** -0.5,
+               "is_causal": True},
+              {"B": 2, "Hq": 16, "Hkv": 2, "S": 1, "Skv": 300, "D": 128, "scale": 128 ** -0.5, "is_causal": True},
+              {"B": 1, "Hq": 16, "Hkv": 2, "S": 1, "Skv": 1024, "D": 128, "attn_mask": None, "scale": 128 ** -0.5,
+               "is_causal": True},
+              {"B": 2, "Hq": 6, "Hkv": 3, "S": 5, "Skv": 12, "D": 16, "scale": 0.25, "is_causal": True,
+               "dtype": torch.float16},
+              {"B": 2, "Hq": 8, "Hkv": 2, "S": 1, "Skv": 40, "D": 64, "scale": 0.125, "is_causal": True,
+               "dtype": torch.float32, "decode_gqa": "repeat"},
+              {"B": 1, "Hq": 2, "Hkv": 2, "S": 7, "Skv": 7, "D": 24, "attn_mask": None, "scale": 0.2,
+               "is_causal": False, "dtype": torch.float32},
+              {"B": 3, "Hq": 6, "Hkv": 2, "S": 1, "Skv": 70, "D": 24, "scale": 0.2, "is_causal": True,
+               "dtype": torch.float16}))
+
+
+@DECODER_ATTENTION.impl("cpu")
+def _(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
+    """torch's own scaled_dot_product_attention (its flash-attention CPU kernel, GQA without copies): HF's sdpa
+    is already one fused attention per layer on the CPU; no kernel of ours is written for it."""
+    return decoder_attention(q, k, v, scale, is_causal, attn_mask, decode_gqa)
+
+
+# ---- npu: npu_fused_infer_attention_score in the BNSD layout with the documented GQA argument
+# (num_key_value_heads); a causal prefill as sparse_mode 3 with the 2048 x 2048 upper-triangular mask the docs ask
+# for, a padding mask passed inverted (FIA masks where True); S = 1 takes its incremental (decode) branch.
+FIA_CAUSAL = 2048
+
+
+def _npu_supports(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"npu_fused_infer_attention_score: query {dtype_name(q.dtype)} (float16, bfloat16 or int8 only)"
+    if backend.series_of(q) != "a2_a3":
+        return "npu_fused_infer_attention_score: supported on Atlas A2/A3 chips only"
+    return None
+
+
+@DECODER_ATTENTION.impl("npu", supports=_npu_supports)
+def _(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
+    B, Hq, S, D = q.shape
+    kw = {}
+    if is_causal and S > 1 and attn_mask is None:
+        k, v = k[:, :, :S], v[:, :, :S]
+        kw = {"atten_mask": torch.ones(FIA_CAUSAL, FIA_CAUSAL, dtype=torch.bool, device=q.device).triu(1),
+              "sparse_mode": 3}
+    elif attn_mask is not None:
+        kw = {"atten_mask": ~attn_mask, "sparse_mode": 0}
+    out, _ = backend.torch_npu().npu_fused_infer_attention_score(
+        q.contiguous(), k.contiguous(), v.contiguous(), num_heads=Hq, num_key_value_heads=k.shape[1],
+        input_layout="BNSD", scale=float(scale), **kw)
+    return out.transpose(1, 2).contiguous()
+
+
+# ---- pypto: the decode step (S = 1). Per (batch, KV head) pair, the query rows of that KV head's query heads
+# (padded to 16 rows) against the cache in key tiles of up to 256: S = q k^T with the whole head_dim in one cube
+# tile, an online softmax across the tiles (running max and sum in fp32, the exps rounded to the input dtype before
+# P V as torch's flash attention does), P V with the whole key tile in one cube tile, out = O / sum. So no cube tile
+# splits K, the condition under which PyPTO 0.2.0's matmul verifies (the window kernel's finding, varlen_attention).
+DECODE_KEY_TILE = 256
+
+
+def _pypto_supports(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
+    if q.shape[2] != 1:
+        return (f"a prefill of {q.shape[2]} tokens: the PyPTO kernel is the decode step's (one query row per head); "
+                f"a causal prefill is not written")
+    if q.dtype == torch.float32:
+        return ("fp32 q/k/v: PyPTO 0.2.0's fp32 pypto.matmul misses its own compiled-level verification (see "
+                "varlen_attention)")
+    if q.shape[1] // k.shape[1] > 16:
+        return f"{q.shape[1] // k.shape[1]} query heads per KV head: the kernel holds up to 16 rows per KV head"
+    return backend.runs_on(q)
+
+
+def decode_attention_kernel(pypto):
+    from ..backends import pypto_lib as pl
+
+    def decode_attention(q: pypto.Tensor(), k: pypto.Tensor(), v: pypto.Tensor(), bias: pypto.Tensor(),
+                         out: pypto.Tensor(), scale, tile, rows, cols):
+        P, G, D, Skv = q.shape[0], rows, cols, k.shape[1]
+        running_max = total = acc = None
+        for t in range(0, Skv, tile):  # unrolled while tracing: one step of the online softmax per key tile
+            kt = pypto.view(k, [P, tile, D], [0, t, 0])
+            vt = pypto.view(v, [P, tile, D], [0, t, 0])
+            pypto.set_cube_tile_shapes([G, G], [D, D], [tile, tile])  # m, k (= head_dim, whole), n
+            s = pypto.matmul(q, kt, pl.FP32, b_trans=True)
+            pypto.set_vec_tile_shapes(1, G, tile)
+            s = s * scale + pypto.view(bias, [P, 1, tile], [0, 0, t])
+            new_max = pypto.amax(s, -1, keepdim=True)
+            if running_max is not None:
+                new_max = pypto.maximum(running_max, new_max)
+            e = pypto.exp(s - new_max)
+            tile_sum = pypto.sum(e, -1, keepdim=True)
+            pypto.set_cube_tile_shapes([G, G], [tile, tile], [D, D])  # k = the key tile, whole
+            pv = pypto.matmul(pypto.cast(e, q.dtype), vt, pl.FP32)
+            pypto.set_vec_tile_shapes(1, G, D)
+            if running_max is None:
+                acc, total = pv, tile_sum
+            else:
+                alpha = pypto.exp(running_max - new_max)
+                acc, total = acc * alpha + pv, total * alpha + tile_sum
+            running_max = new_max
+        out[:] = pypto.cast(acc / total, out.dtype)
+    return decode_attention
+
+
+@DECODER_ATTENTION.impl("pypto", supports=_pypto_supports)
+def _(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
+    B, Hq, _, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    G16, D16 = -(-G // 16) * 16, -(-D // 16) * 16
+    tile = min(DECODE_KEY_TILE, -(-Skv // 16) * 16)
+    S_pad = -(-Skv // tile) * tile
+    qp = q.new_zeros(B * Hkv, G16, D16)
+    qp[:, :G, :D] = q.reshape(B * Hkv, G, D)
+    kp, vp = (t.new_zeros(B * Hkv, S_pad, D16) for t in (k, v))
+    kp[:, :Skv, :D], vp[:, :Skv, :D] = k.reshape(B * Hkv, Skv, D), v.reshape(B * Hkv, Skv, D)
+    bias = torch.full((B, Hkv, 1, S_pad), MASKED, dtype=torch.float32, device=q.device)
+    bias[..., :Skv] = 0.0 if attn_mask is None else torch.where(attn_mask[:, :, 0], 0.0, MASKED)[:, :, None]
+    bias = bias.reshape(B * Hkv, 1, S_pad)
+    o, runs = torch.empty_like(qp), []
+    for a in range(0, B * Hkv, MATMUL_PAIRS):  # launches of at most 32 pairs (pypto_backend.MATMUL_PAIRS)
+        b = a + MATMUL_PAIRS
+        backend.launch("decoder_attention", decode_attention_kernel, qp[a:b], [qp[a:b], kp[a:b], vp[a:b], bias[a:b]],
+                       [o[a:b]], [float(scale), tile], tiles=Tiles(G16, D16))
+        runs.append(backend.last_run)
+    backend.last_run = RunInfo.of_launches(runs)
+    return o[:, :G, :D].reshape(B, 1, Hq, D).contiguous()
