@@ -330,24 +330,32 @@ def test_rope_limits_are_the_documented_ones(npu, monkeypatch, args, reason):
     assert "must be 128 outside Atlas A2/A3" in older.supports("rope", *_text_rope(2, D=64), "fp32")
 
 
-def test_varlen_attention_is_one_tnd_fused_attention_call_with_the_head_size_padded(npu, monkeypatch):
-    """Every window in one npu_fused_infer_attention_score call (TND, cumulative ends, the empty window dropped),
-    head size 80 padded to 128 as vllm-ascend pads it and sliced back; within precision of the golden."""
+@pytest.fixture
+def fia_call(monkeypatch):
+    """The keyword arguments (and q's, k's shapes) of the last npu_fused_infer_attention_score call to the stand-in."""
     seen = {}
     real = torch_npu_standin.npu_fused_infer_attention_score
 
     def spy(q, k, v, **kw):
-        seen.update(kw, shape=tuple(q.shape))
+        seen.update(kw, shape=tuple(q.shape), k_shape=tuple(k.shape))
         return real(q, k, v, **kw)
 
     monkeypatch.setattr(torch_npu_standin, "npu_fused_infer_attention_score", spy)
+    return seen
+
+
+def test_varlen_attention_is_one_tnd_fused_attention_call_with_the_head_size_padded(npu, fia_call):
+    """Every window in one npu_fused_infer_attention_score call (TND, cumulative ends, the empty window dropped),
+    head size 80 padded to 128 as vllm-ascend pads it and sliced back; within precision of the golden."""
+    seen = fia_call
     gen = torch.Generator().manual_seed(0)
     cu = [0, 64, 64, 128, 160]
     q, k, v = (torch.randn(160, 4, 80, generator=gen).to(torch.bfloat16) for _ in range(3))
     for mode in ("hf", "fp32"):
         out = npu.varlen_attention(q, k, v, cu, 80 ** -0.5, mode)
         assert out.shape == q.shape and out.is_contiguous()
-        assert_close(out, OPS["varlen_attention"].golden(q, k, v, cu, 80 ** -0.5, mode), OPS["varlen_attention"].outputs)
+        op = OPS["varlen_attention"]
+        assert_close(out, op.golden(q, k, v, cu, 80 ** -0.5, mode), op.outputs)
     assert seen["shape"] == (160, 4, 128) and seen["input_layout"] == "TND" and seen["num_heads"] == 4
     assert seen["actual_seq_lengths"] == seen["actual_seq_lengths_kv"] == [64, 128, 160]
 
@@ -366,17 +374,10 @@ def test_varlen_attention_limits_are_the_documented_ones(npu, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["causal prefill", "masked decode", "decode", "masked prefill"])
-def test_decoder_attention_is_one_bnsd_fused_attention_call(npu, monkeypatch, case):
+def test_decoder_attention_is_one_bnsd_fused_attention_call(npu, fia_call, case):
     """GQA through num_key_value_heads (no repeated KV heads), a causal prefill as sparse_mode 3 with the documented
     2048 x 2048 mask, a padding mask inverted (FIA masks where True); within precision of HF's sdpa (the golden)."""
-    seen = {}
-    real = torch_npu_standin.npu_fused_infer_attention_score
-
-    def spy(q, k, v, **kw):
-        seen.update(kw, k_shape=tuple(k.shape))
-        return real(q, k, v, **kw)
-
-    monkeypatch.setattr(torch_npu_standin, "npu_fused_infer_attention_score", spy)
+    seen = fia_call
     op = OPS["decoder_attention"]
     S, Skv = {"causal prefill": (12, 12), "masked decode": (1, 50), "decode": (1, 50), "masked prefill": (6, 20)}[case]
     ex = {"B": 2, "Hq": 16, "Hkv": 2, "S": S, "Skv": Skv, "D": 128, "scale": 128 ** -0.5, "is_causal": True}

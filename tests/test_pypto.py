@@ -91,8 +91,8 @@ def test_every_pypto_kernel_on_its_examples(op, example):
 
 
 def test_varlen_attention_runs_a_page_of_windows_in_several_verified_launches():
-    """16 heads x 6 windows (the empty one skipped) are 96 (window, head) pairs: two launches of at most 64 pairs, each
-    padded to its own longest window; the estimate is their sum."""
+    """16 heads x 6 windows (the empty one skipped) are 96 (window, head) pairs: two launches of at most 64 pairs,
+    each padded to its own longest window; the estimate is their sum."""
     from pypto_gym.ops.defs.varlen_attention import windows
 
     gen = torch.Generator().manual_seed(3)
@@ -100,7 +100,8 @@ def test_varlen_attention_runs_a_page_of_windows_in_several_verified_launches():
     q, k, v = (torch.randn(cu[-1], 16, 80, generator=gen).to(torch.bfloat16) for _ in range(3))
     out = run("varlen_attention", q, k, v, cu, 80 ** -0.5)
     assert BACKEND.last_run.tiles == "64x80 32x80 (2 launches)", BACKEND.last_run.tiles  # each padded to its own
-    assert_close(out, ops.OPS["varlen_attention"].golden(q, k, v, cu, 80 ** -0.5), ops.OPS["varlen_attention"].outputs)
+    op = ops.OPS["varlen_attention"]
+    assert_close(out, op.golden(q, k, v, cu, 80 ** -0.5), op.outputs)
 
 
 def test_varlen_attention_declines_what_its_kernel_cannot_verify():

@@ -91,7 +91,8 @@ def _layer_calls(phase: str, S: int, dtype, kv: int = 0):
         emb = torch.rand(S, hd, generator=gen)
         rope = ("rope", (q, k, emb.cos(), emb.sin(), [], -2, "fp32"))
         cu = PAGE_WINDOWS if S == PAGE_T else windows([64] * (S // 64) + [S % 64])
-        attention = ("window attention", "varlen_attention", (*(t.contiguous() for t in (q, k, v)), cu, hd ** -0.5, "hf"))
+        qkv = tuple(t.contiguous() for t in (q, k, v))
+        attention = ("window attention", "varlen_attention", (*qkv, cu, hd ** -0.5, "hf"))
     else:
         D, I = 2048, 11008
         x = torch.randn(1, S, D, generator=gen).to(dtype)

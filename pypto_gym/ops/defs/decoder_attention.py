@@ -17,6 +17,8 @@ prefill -> `repeat_kv`.
 The KV length is a shape: captured into case files like every op, so the 1k and 4k KV decode steps of a
 document's answer are cases.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -105,6 +107,12 @@ def _(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
 FIA_CAUSAL = 2048
 
 
+@functools.lru_cache(maxsize=8)
+def _fia_causal_mask(device) -> torch.Tensor:
+    """The documented sparse_mode 3 mask, made once per device (a prefill calls FIA once per layer)."""
+    return torch.ones(FIA_CAUSAL, FIA_CAUSAL, dtype=torch.bool, device=device).triu(1)
+
+
 def _npu_supports(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"npu_fused_infer_attention_score: query {dtype_name(q.dtype)} (float16, bfloat16 or int8 only)"
@@ -119,8 +127,7 @@ def _(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
     kw = {}
     if is_causal and S > 1 and attn_mask is None:
         k, v = k[:, :, :S], v[:, :, :S]
-        kw = {"atten_mask": torch.ones(FIA_CAUSAL, FIA_CAUSAL, dtype=torch.bool, device=q.device).triu(1),
-              "sparse_mode": 3}
+        kw = {"atten_mask": _fia_causal_mask(q.device), "sparse_mode": 3}
     elif attn_mask is not None:
         kw = {"atten_mask": ~attn_mask, "sparse_mode": 0}
     out, _ = backend.torch_npu().npu_fused_infer_attention_score(

@@ -112,7 +112,7 @@ def _(backend, q, k, v, cu_seqlens, scale, cast_mode):
 # divided by the fp32 sum at the end: fp32 throughout, one rounding (the `fp32` cast mode's arithmetic; `hf`'s
 # golden rounds the exps first, within precision of it). With the exps rounded to bf16 before P V (torch's flash
 # rounding), PyPTO's own check, a relative error, failed on near-zero outputs of the document page's data (MARE 0.09
-# >= 0.078 on the first window); in fp32 9 of its 16 launches pass and one failed at 0.080 (docs/reference.md).
+# >= 0.078 on the first window); in fp32 its first 9 launches passed and the 10th failed at 0.080 (docs/reference.md).
 # Limits found on PyPTO 0.2.0's SIM (each a compile in its own process, the numbers its compiled-level check gave):
 PYPTO_MAX_WINDOW = 128  # a whole [L, L] fp32 score tile per pair; L 256 crashed PyPTO's compiler
 PYPTO_LAUNCH_PAIRS = 64  # pairs per launch: 256 failed verification, the page's 1008 ran out of 24 GiB simulating
