@@ -104,32 +104,71 @@ def test_varlen_attention_runs_a_page_of_windows_in_several_verified_launches():
     assert_close(out, op.golden(q, k, v, cu, 80 ** -0.5), op.outputs)
 
 
-def test_varlen_attention_declines_what_its_kernel_cannot_verify():
-    """fp32 q/k/v (PyPTO's check of fp32 outputs fails) and windows over 128 (a whole score tile) go to the
-    fallback with the reason counted; strict mode raises naming it."""
-    q = torch.randn(150, 2, 16)
-    cases = {"fp32 q/k/v": (q, q, q, [0, 10, 150], 0.25, "hf"),
-             "a window of 140 tokens": (q.bfloat16(), q.bfloat16(), q.bfloat16(), [0, 10, 150], 0.25, "hf")}
-    for reason, args in cases.items():
-        stats = ops.Stats()
-        with config.scoped(strict=False):
-            ops.OPS["varlen_attention"].call(args, "pypto", stats)
-        assert stats.ran == {"torch": 1} and any(reason in why for why in stats.fallbacks), stats.fallbacks
-        with config.scoped(strict=True), pytest.raises(ops.BackendFallbackError, match=reason):
-            ops.OPS["varlen_attention"].call(args, "pypto", ops.Stats())
+def test_a_full_attention_window_runs_through_key_tiles_in_several_launches(monkeypatch):
+    """A window over PYPTO_MAX_WINDOW (a full-attention block's image) takes the online softmax over key tiles: 150
+    and 10 tokens, 2 heads, chunks of 64 query rows (3 + 1 per head: 8 pairs) against 2 key tiles of 256 (150 keys
+    padded) in launches of at most 3 pairs here, so the online softmax's correction across tiles and the padded
+    keys' mask both count (dropping either fails the golden)."""
+    from pypto_gym.ops.backends import pypto_attention
+
+    monkeypatch.setattr(pypto_attention, "KEY_TILE", 128)  # 150 keys: 2 tiles without simulating 256 of them
+    monkeypatch.setattr(pypto_attention, "LAUNCH_PAIR_TILES", 6)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(160, 2, 16, generator=gen).bfloat16() for _ in range(3))
+    cu = [0, 150, 160]
+    out = run("varlen_attention", q, k, v, cu, 0.25)
+    assert BACKEND.last_run.tiles == "64x16 (3 launches)", BACKEND.last_run.tiles
+    op = ops.OPS["varlen_attention"]
+    assert_close(out, op.golden(q, k, v, cu, 0.25), op.outputs)
 
 
-def test_decoder_attention_declines_a_prefill_and_fp32_with_the_reason():
-    """The PyPTO kernel is the decode step's: a prefill (and fp32) goes to the fallback, counted; strict raises."""
+def test_decoder_attention_prefill_in_chunks_of_gqa_rows_and_key_tiles(monkeypatch):
+    """A causal GQA prefill (8 query heads per KV head: 8 tokens x 8 heads a pair) in 3 chunks per KV head, and a
+    longer one over 2 key tiles: each query row sees its own bias (the causal future masked), verified at the
+    compiled level and within precision of transformers' sdpa."""
+    from pypto_gym.ops.backends import pypto_attention
+
+    monkeypatch.setattr(pypto_attention, "KEY_TILE", 64)
     op = ops.OPS["decoder_attention"]
-    for example, reason in ((0, "a prefill of 9 tokens"), (4, "fp32 q/k/v")):
-        args = op.example_args(op.examples[example])
-        stats = ops.Stats()
-        with config.scoped(strict=False):
-            op.call(args, "pypto", stats)
-        assert stats.ran == {"torch": 1} and any(reason in why for why in stats.fallbacks), stats.fallbacks
-        with config.scoped(strict=True), pytest.raises(ops.BackendFallbackError, match=reason):
-            op.call(args, "pypto", ops.Stats())
+    gen = torch.Generator().manual_seed(5)
+    for Hq, Hkv, S, D in ((16, 2, 20, 32), (2, 2, 100, 16)):
+        q = torch.randn(1, Hq, S, D, generator=gen).bfloat16()
+        k, v = (torch.randn(1, Hkv, S, D, generator=gen).bfloat16() for _ in range(2))
+        out = run("decoder_attention", q, k, v, D ** -0.5, True)
+        assert_close(out, op.golden(q, k, v, D ** -0.5, True), op.outputs)
+
+
+def test_decoder_attention_declines_a_query_row_that_sees_no_key():
+    """A mask row with no key allowed (sdpa's answer there is not a softmax): the fallback with the reason
+    counted; strict mode raises naming it."""
+    op = ops.OPS["decoder_attention"]
+    q, k = torch.randn(1, 2, 3, 16).bfloat16(), torch.randn(1, 2, 5, 16).bfloat16()
+    mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
+    mask[0, 0, 1] = False
+    args = (q, k, k, 0.25, True, mask, "pack")
+    reason = "a query row that the mask lets attend to no key"
+    stats = ops.Stats()
+    with config.scoped(strict=False):
+        op.call(args, "pypto", stats)
+    assert stats.ran == {"torch": 1} and any(reason in why for why in stats.fallbacks), stats.fallbacks
+    with config.scoped(strict=True), pytest.raises(ops.BackendFallbackError, match=reason):
+        op.call(args, "pypto", ops.Stats())
+
+
+def test_an_attention_output_is_verified_against_its_rows_scale_near_zero():
+    """PyPTO's pass dumps are judged by the output's own rule: an attention output ("mixture") near zero is a
+    cancellation, judged against its row's rms, so an error far below the row's scale passes where the plain
+    relative rule fails it; an element off by the row's scale fails either way."""
+    golden = torch.tensor([[1.0, -0.75, 0.5, 1e-3] * 4], dtype=torch.bfloat16)
+    near = golden.clone()
+    near[0, 3] = 1.1e-3  # 10 % of a near-zero element, 0.01 % of the row's scale
+    wrong = golden.clone()
+    wrong[0, 0] = 0.25
+    out = torch.empty_like(golden)
+    raw = {name: t.view(torch.uint8).numpy().tobytes() for name, t in (("g", golden), ("n", near), ("w", wrong))}
+    assert pypto_compat._verdict(raw["n"], raw["g"], [out]).startswith("FAIL")
+    assert pypto_compat._verdict(raw["n"], raw["g"], [out], ("mixture",)) == "PASS"
+    assert pypto_compat._verdict(raw["w"], raw["g"], [out], ("mixture",)).startswith("FAIL")
 
 
 def test_adaptation_checks_the_installed_version(monkeypatch):
@@ -423,9 +462,17 @@ def test_bench_pypto_and_bench_layer_run_and_write_their_json(tmp_path):
     assert [p["kv"] for p in parts.values()] == [0, 64, 300, 0]  # prefill, a decode step per KV length, vision
     for title, part in parts.items():
         windows = [r for r in part["rows"] if r["fused_op"].startswith("attention")]  # a vision block's windows
+        full = [r for r in part["rows"] if r.get("full_blocks_only")]  # a full-attention block's one window
         decode = [r for r in part["rows"] if r["fused_op"] == "decode attn"]  # a decode step over the KV cache
-        assert len(windows) == ("vision" in title) and len(decode) == ("decode" in title)
-        assert part["totals"]["hf_kernels"] > 25 and part["totals"]["fused_kernels"] == 5 + len(windows + decode)
+        prefill = [r for r in part["rows"] if r["fused_op"] == "prefill attn"]  # the causal prefill
+        assert len(windows) == len(full) == ("vision" in title)
+        assert len(decode) == ("decode" in title) and len(prefill) == ("prefill" in title)
+        # a block's totals are a window block's: the full-attention row counts for the 4 full blocks of a page
+        assert part["totals"]["hf_kernels"] > 25
+        assert part["totals"]["fused_kernels"] == 5 + len(windows + decode + prefill)
+        for r in full + prefill:  # HF's sdpa: one fused attention either way, the same estimate
+            assert r["hf_kernels"] == r["fused_kernels"] == 1 and r["hf_us"] == r["fused_us"] > 0
+        assert all(r["blocks"] == 4 for r in full)
         for r in windows:  # one 16-patch window: HF's attention + its torch.cat, against one fused launch
             assert r["hf_kernels"] == 2 and r["fused_kernels"] == 1 and r["hf_us"] > r["fused_us"] > 0
         for r in decode:  # the KV floor: 2 KV heads x 128 x bf16, keys and values, at 1.6 TB/s

@@ -257,7 +257,7 @@ def _dumps(folder: Path, pass_name: str) -> dict[int, tuple[bytes, bytes]]:
     return {k: (v["value"], v["golden"]) for k, v in found.items() if {"value", "golden"} <= v.keys()}
 
 
-def read_verification(run_dir: Path, outputs: list) -> tuple[str, dict, list | None]:
+def read_verification(run_dir: Path, outputs: list, kinds=None) -> tuple[str, dict, list | None]:
     """What PyPTO's pass verification found in one SIM run: (level, verdicts, compiled outputs).
 
     PyPTO executes the program with its CPU calculator after each listed compile pass and dumps,
@@ -266,7 +266,8 @@ def read_verification(run_dir: Path, outputs: list) -> tuple[str, dict, list | N
     dumps with PyPTO's tolerance. The deepest pass that still holds whole tensors gives the
     compiled program's numbers for every output; the last pass before codegen holds the first
     tile only and is checked as far as it goes. Dumps are numbered by PyPTO's own output order,
-    so each is matched to the output whose graph-level values equal its golden.
+    so each is matched to the output whose graph-level values equal its golden. `kinds`: SPEC 5's kind of each
+    output ("mixture" for an attention's), None to judge by the dtype.
     Returns level "compiled" with those numbers, or "graph" (None) where the dumps are missing.
     """
     vdirs = sorted(Path(run_dir).glob("verify_*"))
@@ -279,23 +280,30 @@ def read_verification(run_dir: Path, outputs: list) -> tuple[str, dict, list | N
         if pass_name == FULL_TENSOR_PASS:
             compiled = _match_outputs(dumps, outputs)
         for k, (value, golden) in sorted(dumps.items()):
-            verdicts[f"{folder.name}:output{k}"] = _verdict(value, golden, outputs)
+            verdicts[f"{folder.name}:output{k}"] = _verdict(value, golden, outputs, kinds)
     return ("compiled", verdicts, compiled) if compiled is not None else ("graph", verdicts, None)
 
 
-def _verdict(value: bytes, golden: bytes, outputs: list) -> str:
-    """A pass's values against the tensor graph's, by SPEC 5's rule for the output they belong to
-    (a pass that holds one tile is compared with the same leading rows of the golden)."""
+def _verdict(value: bytes, golden: bytes, outputs: list, kinds=None) -> str:
+    """A pass's values against the tensor graph's, by SPEC 5's rule for the output they belong to (its kind when
+    given: an attention output near zero is judged against its row's rms, not its own size); a pass that holds one
+    tile is compared with the same leading rows of the golden."""
     import torch
 
     from ...precision import compare
 
-    out = next((o for o in outputs if len(golden) == o.numel() * o.element_size()), None)
-    if out is None or len(value) > len(golden) or len(value) % out.element_size():
+    j = next((j for j, o in enumerate(outputs) if len(golden) == o.numel() * o.element_size()), None)
+    if j is None or len(value) > len(golden) or len(value) % outputs[j].element_size():
         return "UNCHECKED"
+    out = outputs[j]
     a = torch.frombuffer(bytearray(value), dtype=out.dtype)
     b = torch.frombuffer(bytearray(golden[:len(value)]), dtype=out.dtype)
-    c = compare(a, b, "scale" if out.dtype == torch.float32 and out.shape[-1] == 1 else "value")
+    kind = kinds[j] if kinds else None
+    if kind is None:
+        kind = "scale" if out.dtype == torch.float32 and out.shape[-1] == 1 else None
+    elif a.numel() % out.shape[-1] == 0:  # rows, for a kind judged per row
+        a, b = a.reshape(-1, out.shape[-1]), b.reshape(-1, out.shape[-1])
+    c = compare(a, b, "value", kind)
     return "PASS" if c.passed else f"FAIL ({c.reason})"
 
 

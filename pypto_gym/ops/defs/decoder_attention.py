@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ..args import FLOAT_DTYPES, ArgValueError, Bool, Choice, Float, Output, Tensor, dtype_name
-from ..backends.pypto_backend import MASKED, MATMUL_PAIRS, RunInfo, Tiles
+from ..backends.pypto_attention import MAX_ROWS, key_tile, tiled_attention
+from ..backends.pypto_backend import MASKED
 from ..op import Op
 
 DECODE_GQA = ("pack", "repeat")
@@ -136,78 +137,64 @@ def _(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
     return out.transpose(1, 2).contiguous()
 
 
-# ---- pypto: the decode step (S = 1). Per (batch, KV head) pair, the query rows of that KV head's query heads
-# (padded to 16 rows) against the cache in key tiles of up to 256: S = q k^T with the whole head_dim in one cube
-# tile, an online softmax across the tiles (running max and sum in fp32, the exps rounded to the input dtype before
-# P V as torch's flash attention does), P V with the whole key tile in one cube tile, out = O / sum. So no cube tile
-# splits K, the condition under which PyPTO 0.2.0's matmul verifies (the window kernel's finding, varlen_attention).
-DECODE_KEY_TILE = 256
+# ---- pypto: pypto_attention's online softmax over key tiles (no cube tile splits K). Each (batch, KV head) pair
+# holds that KV head's query heads as rows: at a decode step (S = 1) its G heads (padded to 16 rows), in a prefill
+# chunks of tokens x G heads (up to 64 rows, row = token * G + head), each row with its own bias (the causal future
+# and a padding mask masked; keys padded to whole tiles masked).
 
 
 def _pypto_supports(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
-    if q.shape[2] != 1:
-        return (f"a prefill of {q.shape[2]} tokens: the PyPTO kernel is the decode step's (one query row per head); "
-                f"a causal prefill is not written")
-    if q.dtype == torch.float32:
-        return ("fp32 q/k/v: PyPTO 0.2.0's fp32 pypto.matmul misses its own compiled-level verification (see "
-                "varlen_attention)")
-    if q.shape[1] // k.shape[1] > 16:
-        return f"{q.shape[1] // k.shape[1]} query heads per KV head: the kernel holds up to 16 rows per KV head"
+    if q.shape[1] // k.shape[1] > MAX_ROWS:
+        return f"{q.shape[1] // k.shape[1]} query heads per KV head: the kernel holds up to {MAX_ROWS} rows"
+    if attn_mask is not None and attn_mask.device.type != "meta" and not bool(attn_mask.any(-1).all()):
+        return "a query row that the mask lets attend to no key (sdpa's answer for it is not a softmax)"
     return backend.runs_on(q)
 
 
-def decode_attention_kernel(pypto):
-    from ..backends import pypto_lib as pl
-
-    def decode_attention(q: pypto.Tensor(), k: pypto.Tensor(), v: pypto.Tensor(), bias: pypto.Tensor(),
-                         out: pypto.Tensor(), scale, tile, rows, cols):
-        P, G, D, Skv = q.shape[0], rows, cols, k.shape[1]
-        running_max = total = acc = None
-        for t in range(0, Skv, tile):  # unrolled while tracing: one step of the online softmax per key tile
-            kt = pypto.view(k, [P, tile, D], [0, t, 0])
-            vt = pypto.view(v, [P, tile, D], [0, t, 0])
-            pypto.set_cube_tile_shapes([G, G], [D, D], [tile, tile])  # m, k (= head_dim, whole), n
-            s = pypto.matmul(q, kt, pl.FP32, b_trans=True)
-            pypto.set_vec_tile_shapes(1, G, tile)
-            s = s * scale + pypto.view(bias, [P, 1, tile], [0, 0, t])
-            new_max = pypto.amax(s, -1, keepdim=True)
-            if running_max is not None:
-                new_max = pypto.maximum(running_max, new_max)
-            e = pypto.exp(s - new_max)
-            tile_sum = pypto.sum(e, -1, keepdim=True)
-            pypto.set_cube_tile_shapes([G, G], [tile, tile], [D, D])  # k = the key tile, whole
-            pv = pypto.matmul(pypto.cast(e, q.dtype), vt, pl.FP32)
-            pypto.set_vec_tile_shapes(1, G, D)
-            if running_max is None:
-                acc, total = pv, tile_sum
-            else:
-                alpha = pypto.exp(running_max - new_max)
-                acc, total = acc * alpha + pv, total * alpha + tile_sum
-            running_max = new_max
-        out[:] = pypto.cast(acc / total, out.dtype)
-    return decode_attention
+def _row_bias(q, k, is_causal, attn_mask) -> tuple[torch.Tensor, int]:
+    """The additive fp32 bias [B, S, Skv] each query token sees (the keys HF's sdpa call reads) and Skv."""
+    B, _, S, _ = q.shape
+    Skv = S if is_causal and S > 1 and attn_mask is None else k.shape[2]  # HF crops a static cache's keys to S
+    if attn_mask is not None:
+        allowed = attn_mask[:, 0]
+    elif is_causal and S > 1:
+        allowed = torch.ones(S, Skv, dtype=torch.bool, device=q.device).tril()[None]
+    else:
+        allowed = torch.ones(1, S, Skv, dtype=torch.bool, device=q.device)
+    zero = torch.zeros((), dtype=torch.float32, device=q.device)
+    return torch.where(allowed, zero, MASKED).expand(B, S, Skv), Skv
 
 
 @DECODER_ATTENTION.impl("pypto", supports=_pypto_supports)
 def _(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
-    B, Hq, _, D = q.shape
-    Hkv, Skv = k.shape[1], k.shape[2]
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
     G = Hq // Hkv
-    G16, D16 = -(-G // 16) * 16, -(-D // 16) * 16
-    tile = min(DECODE_KEY_TILE, -(-Skv // 16) * 16)
+    bias, Skv = _row_bias(q, k, is_causal, attn_mask)
+    St = max(1, min(S, MAX_ROWS // G))  # tokens per pair
+    chunks = -(-S // St)
+    R, D16, tile = -(-(St * G) // 16) * 16, -(-D // 16) * 16, key_tile(Skv)
     S_pad = -(-Skv // tile) * tile
-    qp = q.new_zeros(B * Hkv, G16, D16)
-    qp[:, :G, :D] = q.reshape(B * Hkv, G, D)
-    kp, vp = (t.new_zeros(B * Hkv, S_pad, D16) for t in (k, v))
-    kp[:, :Skv, :D], vp[:, :Skv, :D] = k.reshape(B * Hkv, Skv, D), v.reshape(B * Hkv, Skv, D)
-    bias = torch.full((B, Hkv, 1, S_pad), MASKED, dtype=torch.float32, device=q.device)
-    bias[..., :Skv] = 0.0 if attn_mask is None else torch.where(attn_mask[:, :, 0], 0.0, MASKED)[:, :, None]
-    bias = bias.reshape(B * Hkv, 1, S_pad)
-    o, runs = torch.empty_like(qp), []
-    for a in range(0, B * Hkv, MATMUL_PAIRS):  # launches of at most 32 pairs (pypto_backend.MATMUL_PAIRS)
-        b = a + MATMUL_PAIRS
-        backend.launch("decoder_attention", decode_attention_kernel, qp[a:b], [qp[a:b], kp[a:b], vp[a:b], bias[a:b]],
-                       [o[a:b]], [float(scale), tile], tiles=Tiles(G16, D16))
-        runs.append(backend.last_run)
-    backend.last_run = RunInfo.of_launches(runs)
-    return o[:, :G, :D].reshape(B, 1, Hq, D).contiguous()
+    # [B, Hkv, G, S, D] -> [B, Hkv, S, G, D]: a token's G heads on consecutive rows; tokens padded to whole chunks
+    qt = q.reshape(B, Hkv, G, S, D).transpose(2, 3)
+    qp = q.new_zeros(B, Hkv, chunks * St, G, D16)
+    qp[:, :, :S, :, :D] = qt
+    qp = qp.reshape(B * Hkv * chunks, St * G, D16)
+    qp = torch.cat([qp, qp.new_zeros(qp.shape[0], R - St * G, D16)], 1) if R > St * G else qp
+    kp, vp = (t.new_zeros(B, Hkv, S_pad, D16) for t in (k, v))
+    kp[:, :, :Skv, :D], vp[:, :, :Skv, :D] = k[:, :, :Skv], v[:, :, :Skv]
+    kp, vp = (t[:, :, None].expand(B, Hkv, chunks, S_pad, D16).reshape(-1, S_pad, D16) for t in (kp, vp))
+    rb = torch.full((B, chunks * St, S_pad), MASKED, dtype=torch.float32, device=q.device)
+    rb[:, :S, :Skv] = bias  # padded tokens attend to nothing real: their rows are cut off below
+    rb[:, S:, :1] = 0.0  # ... but see one key, so their softmax stays finite
+    if S == 1:  # one bias row per pair
+        rb = rb[:, None].expand(B, Hkv, 1, S_pad).reshape(-1, 1, S_pad)
+    else:  # a bias row per query row: each token's row repeated for its G heads, padded rows masked but one key
+        rb = rb.reshape(B, 1, chunks, St, 1, S_pad).expand(B, Hkv, chunks, St, G, S_pad).reshape(-1, St * G, S_pad)
+        if R > St * G:
+            pad = torch.full((rb.shape[0], R - St * G, S_pad), MASKED, dtype=torch.float32, device=q.device)
+            pad[..., 0] = 0.0
+            rb = torch.cat([rb, pad], 1)
+    o = tiled_attention(backend, "decoder_attention", qp, kp, vp, rb, scale, tile)
+    o = o[:, :St * G, :D].reshape(B, Hkv, chunks * St, G, D)[:, :, :S]  # [B, Hkv, S, G, D]
+    return o.permute(0, 2, 1, 3, 4).reshape(B, S, Hq, D).contiguous()

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from ..args import FLOAT_DTYPES, ArgValueError, Choice, Float, Ints, Output, Tensor, dtype_name
-from ..backends.pypto_backend import MASKED, MATMUL_PAIRS, RunInfo, Tiles
+from ..backends.pypto_attention import MAX_ROWS, key_tile, tiled_attention
+from ..backends.pypto_backend import MASKED, MATMUL_PAIRS, RunInfo, Tiles, first_runs_here
 from ..op import BenchSpec, Op
 
 CAST_MODES = ("hf", "fp32")
@@ -108,32 +109,21 @@ def _(backend, q, k, v, cu_seqlens, scale, cast_mode):
 
 # ---- pypto: each (window, head) pair padded to [L, D] (L and D rounded up to 16, padded keys masked by an additive
 # bias, padded columns zero), then S = q k^T as one pypto.matmul whose cube tile holds the whole K (head_dim), the
-# softmax on the vector unit in fp32, and P V as one pypto.matmul holding the whole K (the window) on fp32 operands,
-# divided by the fp32 sum at the end: fp32 throughout, one rounding (the `fp32` cast mode's arithmetic; `hf`'s
-# golden rounds the exps first, within precision of it). With the exps rounded to bf16 before P V (torch's flash
-# rounding), PyPTO's own check, a relative error, failed on near-zero outputs of the document page's data (MARE 0.09
-# >= 0.078 on the first window); in fp32 its first 9 launches passed and the 10th failed at 0.080 (docs/reference.md).
-# Limits found on PyPTO 0.2.0's SIM (each a compile in its own process, the numbers its compiled-level check gave):
+# softmax on the vector unit in fp32, and P V as one pypto.matmul holding the whole K (the window), divided by the
+# fp32 sum at the end; `hf` rounds the exps to the input dtype before P V (torch's flash attention, the golden),
+# `fp32` keeps P V on fp32 operands (one rounding). Windows longer than PYPTO_MAX_WINDOW (a full-attention block)
+# take pypto_attention's online softmax over key tiles. Limits found on PyPTO 0.2.0's SIM (each a compile in its
+# own process):
 PYPTO_MAX_WINDOW = 128  # a whole [L, L] fp32 score tile per pair; L 256 crashed PyPTO's compiler
-PYPTO_LAUNCH_PAIRS = 64  # pairs per launch: 256 failed verification, the page's 1008 ran out of 24 GiB simulating
-
-
-def _pypto_supports(backend, q, k, v, cu_seqlens, scale, cast_mode):
-    if q.dtype == torch.float32:
-        return ("fp32 q/k/v: PyPTO 0.2.0 checks fp32 outputs at a 1.2e-3 relative error, which its fp32 matmul "
-                "misses (measured 3e-3 to 4e-2)")
-    longest = max((b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])), default=0)
-    if longest > PYPTO_MAX_WINDOW:
-        return (f"a window of {longest} tokens: the kernel holds a whole [window, window] fp32 score tile (up to "
-                f"{PYPTO_MAX_WINDOW}); longer windows (full-attention blocks) need an online softmax over key tiles")
-    return backend.runs_on(q)
+PYPTO_LAUNCH_PAIRS = 64  # pairs per launch: 128 verify (95.8 us, two launches of 64 102.4), the page's 1008 in one
+# program ran out of 24 GiB simulating
 
 
 def window_attention_kernel(pypto):
     from ..backends import pypto_lib as pl
 
     def window_attention(q: pypto.Tensor(), k: pypto.Tensor(), v: pypto.Tensor(), bias: pypto.Tensor(),
-                         out: pypto.Tensor(), scale, pairs, rows, cols):
+                         out: pypto.Tensor(), scale, pairs, round_exps, rows, cols):
         B, L, D = q.shape[0], rows, cols
         parts = []
         for c in range(0, B, pairs):  # unrolled while tracing: one pypto.matmul per `pairs` (window, head) pairs
@@ -148,7 +138,10 @@ def window_attention_kernel(pypto):
             e = pypto.exp(s - pypto.amax(s, -1, keepdim=True))
             total = pypto.sum(e, -1, keepdim=True)
             pypto.set_cube_tile_shapes([L, L], [L, L], [D, D])  # k = the window, whole
-            o = pypto.matmul(e, pl.f32(vc), pl.FP32)
+            if round_exps:  # hf: the exps in the input dtype, as torch's flash attention rounds them
+                o = pypto.matmul(pypto.cast(e, q.dtype), vc, pl.FP32)
+            else:
+                o = pypto.matmul(e, pl.f32(vc), pl.FP32)
             pypto.set_vec_tile_shapes(1, L, D)
             parts.append(o / total)
         out[:] = pypto.cast(parts[0] if len(parts) == 1 else pypto.concat(parts, 0), out.dtype)
@@ -169,18 +162,51 @@ def _padded_pairs(q, k, v, windows, D16):
     return padded, bias
 
 
-@VARLEN_ATTENTION.impl("pypto", supports=_pypto_supports)
+def _long_windows(backend, q, k, v, windows, scale, cast_mode):
+    """Windows longer than PYPTO_MAX_WINDOW (a full-attention block's image): pypto_attention's online softmax over
+    key tiles, each (window, head, chunk of 64 query rows) a pair against the window's keys; [T, H, D]."""
+    T, H, D = q.shape
+    D16, longest = -(-D // 16) * 16, max(b - a for a, b in windows)
+    tile = key_tile(longest)
+    S_pad, rows = -(-longest // tile) * tile, MAX_ROWS
+    pairs = [(a, b, c) for a, b in windows for c in range(a, b, rows)]
+    qp = q.new_zeros(len(pairs), H, rows, D16)
+    kp, vp = (t.new_zeros(len(windows), H, S_pad, D16) for t in (k, v))
+    bias = torch.full((len(windows), 1, S_pad), MASKED, dtype=torch.float32, device=q.device)
+    which = []  # each pair's window
+    for j, (a, b) in enumerate(windows):
+        kp[j, :, :b - a, :D], vp[j, :, :b - a, :D] = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
+        bias[j, :, :b - a] = 0.0
+    for i, (a, b, c) in enumerate(pairs):
+        qp[i, :, :min(rows, b - c), :D] = q[c:min(c + rows, b)].transpose(0, 1)
+        which.append(windows.index((a, b)))
+    idx = torch.tensor(which, device=q.device)
+    o = tiled_attention(backend, "varlen_attention", qp.reshape(-1, rows, D16),
+                        *(t[idx].reshape(-1, S_pad, D16) for t in (kp, vp)),
+                        bias[idx][:, None].expand(len(pairs), H, 1, S_pad).reshape(-1, 1, S_pad), scale, tile,
+                        round_exps=cast_mode == "hf")
+    o = o.reshape(len(pairs), H, rows, D16)
+    out = q.new_empty(T, H, D)
+    for i, (a, b, c) in enumerate(pairs):
+        out[c:min(c + rows, b)] = o[i, :, :min(rows, b - c), :D].transpose(0, 1)
+    return out
+
+
+@VARLEN_ATTENTION.impl("pypto", supports=first_runs_here)
 def _(backend, q, k, v, cu_seqlens, scale, cast_mode):
     T, H, D = q.shape
-    out = q.new_empty(T, H, D)
     windows = [(a, b) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) if b > a]
+    if windows and max(b - a for a, b in windows) > PYPTO_MAX_WINDOW:
+        return _long_windows(backend, q, k, v, windows, scale, cast_mode)
+    out = q.new_empty(T, H, D)
     D16, per_launch, runs = -(-D // 16) * 16, max(1, PYPTO_LAUNCH_PAIRS // H), []
     for i in range(0, len(windows), per_launch):
         group = windows[i:i + per_launch]
         (qp, kp, vp), bias = _padded_pairs(q, k, v, group, D16)
         o = torch.empty_like(qp)
         backend.launch("varlen_attention", window_attention_kernel, qp, [qp, kp, vp, bias], [o],
-                       [float(scale), MATMUL_PAIRS], tiles=Tiles(qp.shape[1], D16))
+                       [float(scale), MATMUL_PAIRS, cast_mode == "hf"], tiles=Tiles(qp.shape[1], D16),
+                       kinds=("mixture",))
         runs.append(backend.last_run)
         for j, (a, b) in enumerate(group):
             out[a:b] = o[j * H:(j + 1) * H, :b - a, :D].transpose(0, 1)
