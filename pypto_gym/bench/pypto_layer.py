@@ -4,9 +4,11 @@ layer and one vision block, every non-GEMM kernel HF eager launches against pypt
 `hf_kernels(op, args)` lists, for one call of a fused op, the torch ops HF's code runs for the same result
 (each op's definition says, in its BenchSpec: RMSNorm's eight, swiglu's silu and mul, the rotary function's
 five per tensor, the vision function's casts), each as the PyPTO kernel it would be (pypto_kernels.py).
-`bench pypto` sums their estimates per captured case; `bench layer` adds the residual adds and a vision block's
-windowed attention (HF's per-window loop against the fused op), counts launches per layer and per forward, and puts
-the layer's GEMMs beside them on a stated roofline (the same launches either way);
+`bench pypto` sums their estimates per captured case; `bench layer` adds the residual adds, a vision block's
+windowed attention (HF's per-window loop against the fused op) and the attention HF runs as one fused kernel (a
+full-attention block's, the text prefill's and decode step's: the same kernel either way), counts launches per
+layer, per forward and per document page, and puts the layer's GEMMs beside them on a stated roofline (the same
+launches either way);
 then a text layer's W8A8 quant kernels, the dynamic scheme's beside the static one's (msModelSlim's W8A8).
 PyPTO's estimates are AICore time: the launch of each kernel is not in them, so totals are also
 given with a stated per-launch cost.
@@ -14,10 +16,12 @@ given with a stated per-launch cost.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .. import hardware
-from ..ops import OPS
-from ..ops.defs.varlen_attention import PAGE_T, PAGE_WINDOWS, PYPTO_LAUNCH_PAIRS, PYPTO_MAX_WINDOW, windows
+from ..ops import OPS, registry
+from ..ops.backends.pypto_backend import MASKED
+from ..ops.defs.varlen_attention import PAGE_T, PAGE_WINDOWS, PYPTO_LAUNCH_PAIRS, windows
 from . import pypto_kernels as K
 from .timing import header, write_json
 
@@ -53,7 +57,7 @@ def unfused(op: str, args) -> tuple[float, int, list]:
 
 
 def fused_us(op: str, args) -> float:
-    from ..ops import Stats, registry
+    from ..ops import Stats
 
     stats = Stats()
     OPS[op].call(args, "pypto", stats)
@@ -92,20 +96,22 @@ def _layer_calls(phase: str, S: int, dtype, kv: int = 0):
         rope = ("rope", (q, k, emb.cos(), emb.sin(), [], -2, "fp32"))
         cu = PAGE_WINDOWS if S == PAGE_T else windows([64] * (S // 64) + [S % 64])
         qkv = tuple(t.contiguous() for t in (q, k, v))
-        attention = ("window attention", "varlen_attention", (*qkv, cu, hd ** -0.5, "hf"))
+        attention = [("window attention", "varlen_attention", (*qkv, cu, hd ** -0.5, "hf")),
+                     ("full attention", "varlen_attention", (*qkv, [0, S], hd ** -0.5, "hf"))]
     else:
         D, I = 2048, 11008
         x = torch.randn(1, S, D, generator=gen).to(dtype)
         rope = ("rope", (*hf_text_layout(S, 16, 2, 128, dtype, gen), [], 1, "hf"))
-        if phase == "decode":  # GutenOCR-3B: 16 query heads, 2 KV heads, head_dim 128
-            q, k, v = (torch.randn(1, h, n, 128, generator=gen).to(dtype) for h, n in ((16, 1), (2, kv), (2, kv)))
-            attention = (f"attention (KV {kv})", "decoder_attention", (q, k, v, 128 ** -0.5, True, None, "pack"))
+        # GutenOCR-3B: 16 query heads, 2 KV heads, head_dim 128; a decode step over kv cached tokens, a causal prefill
+        n = kv if phase == "decode" else S
+        q, k, v = (torch.randn(1, h, m, 128, generator=gen).to(dtype) for h, m in ((16, S), (2, n), (2, n)))
+        label = f"attention (KV {kv})" if phase == "decode" else "attention (causal)"
+        attention = [(label, "decoder_attention", (q, k, v, 128 ** -0.5, True, None, "pack"))]
     gamma = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype)
     g = torch.randn(*x.shape[:-1], I, generator=gen).to(dtype)
     # a layer: norm -> attention (its rotary call; a vision block's windowed attention) -> add + norm -> MLP (swiglu)
     # -> residual add
-    return [("input norm", "rms_norm", (x, gamma, 1e-6, "hf")), ("rotary", *rope),
-            *([attention] if phase != "prefill" else []),
+    return [("input norm", "rms_norm", (x, gamma, 1e-6, "hf")), ("rotary", *rope), *attention,
             ("add + post-attention norm", "add_rms_norm", (x, x, gamma, 1e-6, "hf", "rounded")),
             ("MLP activation", "swiglu", (g, g, "hf")), ("residual add (MLP)", "add", (x, x))]
 
@@ -123,6 +129,38 @@ def window_attention_row(label: str, args) -> dict:
             "hf_us": sum(one[n] for n in lengths) + cat_us, "fused_kernels": launches,
             "fused_us": fused_us("varlen_attention", args), "fused_op": f"attention x{launches}",
             "blocks": WINDOW_BLOCKS}
+
+
+def full_attention_row(label: str, args) -> dict:
+    """A full-attention block's attention (one window: the image). HF's module makes one sdpa call, one fused
+    attention on an NPU too: the same kernel on both sides, costed as pypto_attention's kernel. Its launches are
+    one program repeated (pairs of 64 query rows against every key), and PyPTO's estimate of a program does not
+    depend on the data (the same to the last digit on other values), so one launch is simulated and multiplied:
+    the page's 944 pairs at 15 key tiles are 118 launches of 8, each about 12 s and 2 GB to simulate here."""
+    from ..ops.backends import pypto_attention as pa
+
+    q, k, v, cu, scale, _ = args
+    T, H, D = q.shape
+    D16, tile, chunks = -(-D // 16) * 16, pa.key_tile(T), -(-T // pa.MAX_ROWS)
+    S_pad, pairs = -(-T // tile) * tile, H * chunks
+    step = pa.pairs_per_launch(S_pad // tile)
+    # the call's pairs as varlen_attention's pypto path makes them: (head, chunk of 64 query rows) against the head's keys
+    qp = F.pad(q.transpose(0, 1), (0, D16 - D, 0, chunks * pa.MAX_ROWS - T)).reshape(pairs, pa.MAX_ROWS, D16)
+    kp, vp = (F.pad(t.transpose(0, 1), (0, D16 - D, 0, S_pad - T)) for t in (k, v))
+    head = torch.arange(H).repeat_interleave(chunks)
+    bias = torch.full((pairs, 1, S_pad), MASKED, dtype=torch.float32)
+    bias[..., :T] = 0.0
+    launches = [(slice(0, step), pairs // step)] + ([(slice(pairs - pairs % step, pairs), 1)] if pairs % step else [])
+    backend, us = registry.get("pypto"), 0.0
+    for sel, count in launches:  # the first launch stands for every full one, the last for a partial one
+        pa.tiled_attention(backend, "varlen_attention", qp[sel].contiguous(), kp[head[sel]], vp[head[sel]],
+                           bias[sel], scale, tile)
+        if backend.last_run.level != "compiled":
+            raise RuntimeError(f"{label}: the PyPTO kernel's numbers did not come from the compiled program")
+        us += count * backend.last_run.estimated_us
+    n_launches = sum(count for _, count in launches)
+    return {"part": f"{label} ({T} patches)", "hf_kernels": 1, "hf_us": us, "fused_kernels": 1, "fused_us": us,
+            "fused_op": f"attn ({n_launches} sim.)", "blocks": VISION_BLOCKS - WINDOW_BLOCKS, "full_blocks_only": True}
 
 
 def _w8a8_calls(S: int, dtype):
@@ -150,10 +188,9 @@ def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None, kv_length
           f"{TEXT_LAYERS} text layers, {VISION_BLOCKS} vision blocks; bf16; transformers 5.x's code. The GEMMs: a "
           f"stated roofline (max of {CUBE_TFLOPS:g} TFLOPS cube peak and {HBM_TBPS:g} TB/s HBM), not a PyPTO "
           f"estimate. A vision block's windowed attention: HF's per-window loop vs the fused op, both PyPTO "
-          f"estimates (a window block's; the 4 full-attention blocks' attention is not costed: the PyPTO kernel "
-          f"holds windows up to {PYPTO_MAX_WINDOW}). A decode step's attention over its KV cache: the PyPTO decode "
-          f"kernel on both sides (HF's sdpa is one fused attention on the NPU too), with the KV-read floor; the "
-          f"prefill's causal attention is not costed (no PyPTO prefill kernel).")
+          f"estimates (28 window blocks); a full-attention block's (4) and the text attention (a causal prefill, a "
+          f"decode step over its KV cache, with the KV-read floor): one fused attention on the NPU either way (HF's "
+          f"sdpa), costed as pypto-gym's PyPTO kernel on both sides.")
     result = {"bench": "layer", "machine": hardware.capability(), "launch_us_range": list(LAUNCH_US),
               "gemm_roofline": {"cube_tflops": CUBE_TFLOPS, "hbm_tbps": HBM_TBPS, "stated": True}, "parts": {}}
     for part, phase, tokens, per_forward, kv in (("text layer", "prefill", S, TEXT_LAYERS, 0),
@@ -162,13 +199,14 @@ def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None, kv_length
         rows = []
         for label, op, args in _layer_calls(phase, tokens, torch.bfloat16, kv):
             if op == "varlen_attention":
-                rows.append(window_attention_row(label, args))
+                rows.append((full_attention_row if label == "full attention" else window_attention_row)(label, args))
                 continue
             if op == "decoder_attention":  # HF's sdpa is one fused attention on the NPU too: the same kernel
                 us = fused_us(op, args)
                 kv_bytes = 2 * args[1].numel() * args[1].element_size()
                 rows.append({"part": label, "hf_kernels": 1, "hf_us": us, "fused_kernels": 1, "fused_us": us,
-                             "fused_op": "decode attn", "kv_floor_us": kv_bytes / (HBM_TBPS * 1e12) * 1e6})
+                             "fused_op": f"{phase} attn"}
+                            | ({"kv_floor_us": kv_bytes / (HBM_TBPS * 1e12) * 1e6} if phase == "decode" else {}))
                 continue
             if op == "add":  # the residual add after the MLP: one kernel either way (it ends the layer)
                 x1, x2 = (x.reshape(-1, x.shape[-1]) for x in args)
@@ -179,7 +217,8 @@ def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None, kv_length
             hf_total, n, _ = unfused(op, args)
             rows.append({"part": label, "hf_kernels": n, "hf_us": hf_total, "fused_kernels": 1,
                          "fused_us": fused_us(op, args), "fused_op": op})
-        tot = {k: sum(r[k] for r in rows) for k in ("hf_kernels", "hf_us", "fused_kernels", "fused_us")}
+        block = [r for r in rows if not r.get("full_blocks_only")]  # a (window) block's parts
+        tot = {k: sum(r[k] for r in block) for k in ("hf_kernels", "hf_us", "fused_kernels", "fused_us")}
         title = f"{part}, {phase} ({tokens} tokens{f', KV {kv}' if kv else ''})"
         print(f"\n{title}\n{'part':<28} {'HF kernels':>10} {'HF us':>9} {'fused op':<14} {'fused us':>9} {'ratio':>6}")
         for r in rows:
@@ -192,9 +231,10 @@ def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None, kv_length
         print(f"{'GEMMs (stated roofline)':<28} {gemms['kernels']:>10} {gemms['us']:>9.1f} {'the same':<14} "
               f"{gemms['us']:>9.1f}  (" + ", ".join(f"{r['gemm']} {r['us']:.1f} {r['bound']}" for r in gemms["rows"])
               + f"; weight-read floor {gemms['weight_floor_us']:.1f} us)")
-        for label, n in ((f"per {part}", 1), (f"per forward (x{per_forward})", per_forward)):
-            def times(key):  # a row with "blocks" (the window attention) counts for that many blocks of a forward
-                return sum(r.get(key, 0) * min(n, r.get("blocks", n)) for r in rows)
+        whole = f"per document page (x{per_forward})" if phase == "vision" else f"per forward (x{per_forward})"
+        for label, n in ((f"per {part}", 1), (whole, per_forward)):
+            def times(key):  # a row with "blocks" (window / full attention) counts for that many blocks of a forward
+                return sum(r.get(key, 0) * min(n, r.get("blocks", n)) for r in (block if n == 1 else rows))
             hf_n, fu_n = times("hf_kernels") + n * gemms["kernels"], times("fused_kernels") + n * gemms["kernels"]
             hf_us, fu_us = times("hf_us") + n * gemms["us"], times("fused_us") + n * gemms["us"]
             print(f"  {label}, with the GEMMs: HF {hf_n} launches, {hf_us:.0f} us AICore ({hf_us + lo * hf_n:.0f}-"
