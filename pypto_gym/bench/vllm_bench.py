@@ -110,7 +110,7 @@ def per_op(cases: list[dict], rounds: int) -> list[dict]:
     return rows
 
 
-def run(layers: int = 2, dtype: str = "bfloat16", quick: bool = False, rounds: int = 15, json_path=None,
+def run(layers: int = 2, dtype: str = "bfloat16", quick: bool = False, rounds: int = 41, json_path=None,
         png_path=None) -> int:
     from ..capture.cases import load_cases
     from ..models import FAMILIES

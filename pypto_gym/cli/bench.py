@@ -49,7 +49,9 @@ def add_parser(sub):
     b.add_argument("--layers", type=POSITIVE, default=2, help="GutenOCR-3B text layers (random weights)")
     b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     b.add_argument("--quick", action="store_true", help="the tiny models only")
-    b.add_argument("--rounds", type=POSITIVE, default=15)
+    b.add_argument("--rounds", type=POSITIVE, default=41, help="interleaved rounds per provider shape (median "
+                   "reported; the toy models' rotary takes ~7 us either way, where medians of 15 rounds moved by a "
+                   "few per cent between runs)")
     b.add_argument("--json", help=f"default: {BENCH_OUT}/vllm.json")
     b.add_argument("--png", help=f"default: {BENCH_OUT}/vllm.png")
     b.set_defaults(func=cmd_bench_vllm)
