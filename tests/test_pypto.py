@@ -29,14 +29,26 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 SIMULATED_ELEMENTS = 2 ** 20  # per tensor: PyPTO's CPU simulation of a [2, 981, 11008] swiglu takes minutes
+SIMULATED_SCORES = 2 ** 22  # attention scores per call: the tiny model's full-attention block on the page (3744
+# patches, 4 heads: 56M scores in 30 launches) took 4 minutes; its long-window path is tested on 150 tokens below
+
+
+def _scores(c) -> int:
+    """How many attention scores a captured attention call computes (0 for other ops)."""
+    if c["op"] == "varlen_attention":
+        q, cu = c["args"][0], c["args"][3]
+        return q.shape[1] * sum((b - a) ** 2 for a, b in zip(cu[:-1], cu[1:]))
+    if c["op"] == "decoder_attention":
+        q, k = c["args"][0], c["args"][1]
+        return q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+    return 0
 
 
 BACKEND = registry.get("pypto")
 
 
 def _declined(op, args) -> str | None:
-    """Why the op's PyPTO kernel does not take this call (its `supports`; varlen_attention declines fp32 and windows
-    over 128, tested in test_varlen_attention_declines_what_its_kernel_cannot_verify), None if it does."""
+    """Why the op's PyPTO kernel does not take this call (its `supports`), None if it does."""
     impl = op.impls["pypto"]
     return impl.supports(BACKEND, *args) if impl.supports else None
 
@@ -45,12 +57,14 @@ def _distinct_pypto_cases():
     """The committed cases of ops with a PyPTO kernel (quant_matmul, a GEMM, has none), each distinct input once
     (the W8A8 file repeats the bf16 file's MLP and rotary cases), whose tensors PyPTO simulates in seconds:
     every kernel at GutenOCR-3B's widths (2048, 1280, 11008, 3420, head_dim 128 and 80) at decode and on the
-    sample line's prefill. The document-page cases (981 tokens, 3744 patches) run in `bench pypto`."""
+    sample line's prefill, the attention on the page's windows. The document-page cases (981 tokens, 3744 patches)
+    and a full-attention block over the page run in `bench pypto` and `bench layer`."""
     seen, out = set(), []
     for p in sorted((ROOT / "tests" / "cases").glob("*.json")):
         for c in load_cases(p):
             key = (c["op"], repr([(a.shape, a.dtype) if isinstance(a, torch.Tensor) else a for a in c["args"]]))
-            small = all(a.numel() <= SIMULATED_ELEMENTS for a in c["args"] if isinstance(a, torch.Tensor))
+            small = all(a.numel() <= SIMULATED_ELEMENTS for a in c["args"] if isinstance(a, torch.Tensor)) \
+                and _scores(c) <= SIMULATED_SCORES
             if "pypto" in OPS[c["op"]].impls and small and key not in seen and not _declined(OPS[c["op"]], c["args"]):
                 seen.add(key)
                 out.append((p, c))
