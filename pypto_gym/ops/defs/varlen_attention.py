@@ -169,25 +169,23 @@ def _long_windows(backend, q, k, v, windows, scale, cast_mode):
     D16, longest = -(-D // 16) * 16, max(b - a for a, b in windows)
     tile = key_tile(longest)
     S_pad, rows = -(-longest // tile) * tile, MAX_ROWS
-    pairs = [(a, b, c) for a, b in windows for c in range(a, b, rows)]
+    pairs = [(j, b, c) for j, (a, b) in enumerate(windows) for c in range(a, b, rows)]  # window, its end, chunk
     qp = q.new_zeros(len(pairs), H, rows, D16)
     kp, vp = (t.new_zeros(len(windows), H, S_pad, D16) for t in (k, v))
     bias = torch.full((len(windows), 1, S_pad), MASKED, dtype=torch.float32, device=q.device)
-    which = []  # each pair's window
     for j, (a, b) in enumerate(windows):
         kp[j, :, :b - a, :D], vp[j, :, :b - a, :D] = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
         bias[j, :, :b - a] = 0.0
-    for i, (a, b, c) in enumerate(pairs):
+    for i, (_, b, c) in enumerate(pairs):
         qp[i, :, :min(rows, b - c), :D] = q[c:min(c + rows, b)].transpose(0, 1)
-        which.append(windows.index((a, b)))
-    idx = torch.tensor(which, device=q.device)
+    idx = torch.tensor([j for j, _, _ in pairs], device=q.device)
     o = tiled_attention(backend, "varlen_attention", qp.reshape(-1, rows, D16),
                         *(t[idx].reshape(-1, S_pad, D16) for t in (kp, vp)),
                         bias[idx][:, None].expand(len(pairs), H, 1, S_pad).reshape(-1, 1, S_pad), scale, tile,
                         round_exps=cast_mode == "hf")
     o = o.reshape(len(pairs), H, rows, D16)
     out = q.new_empty(T, H, D)
-    for i, (a, b, c) in enumerate(pairs):
+    for i, (_, b, c) in enumerate(pairs):
         out[c:min(c + rows, b)] = o[i, :, :min(rows, b - c), :D].transpose(0, 1)
     return out
 
