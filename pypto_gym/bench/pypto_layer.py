@@ -16,12 +16,10 @@ given with a stated per-launch cost.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import hardware
 from ..ops import OPS, registry
-from ..ops.backends.pypto_backend import MASKED
-from ..ops.defs.varlen_attention import PAGE_T, PAGE_WINDOWS, PYPTO_LAUNCH_PAIRS, windows
+from ..ops.defs.varlen_attention import PAGE_T, PAGE_WINDOWS, PYPTO_LAUNCH_PAIRS, long_window_pairs, windows
 from . import pypto_kernels as K
 from .timing import header, write_json
 
@@ -140,27 +138,22 @@ def full_attention_row(label: str, args) -> dict:
     from ..ops.backends import pypto_attention as pa
 
     q, k, v, cu, scale, _ = args
-    T, H, D = q.shape
-    D16, tile, chunks = -(-D // 16) * 16, pa.key_tile(T), -(-T // pa.MAX_ROWS)
-    S_pad, pairs = -(-T // tile) * tile, H * chunks
-    step = pa.pairs_per_launch(S_pad // tile)
-    # the call's pairs as varlen_attention's pypto path makes them: (head, chunk of 64 query rows) against the head's keys
-    qp = F.pad(q.transpose(0, 1), (0, D16 - D, 0, chunks * pa.MAX_ROWS - T)).reshape(pairs, pa.MAX_ROWS, D16)
-    kp, vp = (F.pad(t.transpose(0, 1), (0, D16 - D, 0, S_pad - T)) for t in (k, v))
-    head = torch.arange(H).repeat_interleave(chunks)
-    bias = torch.full((pairs, 1, S_pad), MASKED, dtype=torch.float32)
-    bias[..., :T] = 0.0
-    launches = [(slice(0, step), pairs // step)] + ([(slice(pairs - pairs % step, pairs), 1)] if pairs % step else [])
+    T = q.shape[0]
+    qp, kp, vp, bias, tile, _ = long_window_pairs(q, k, v, [(0, T)])  # the call's pairs, as the op makes them
+    pairs, step = qp.shape[0], pa.pairs_per_launch(kp.shape[1] // tile)
+    launches = [(slice(0, step), pairs // step)]
+    if pairs % step:
+        launches.append((slice(pairs - pairs % step, pairs), 1))
     backend, us = registry.get("pypto"), 0.0
     for sel, count in launches:  # the first launch stands for every full one, the last for a partial one
-        pa.tiled_attention(backend, "varlen_attention", qp[sel].contiguous(), kp[head[sel]], vp[head[sel]],
-                           bias[sel], scale, tile)
+        pa.tiled_attention(backend, "varlen_attention", qp[sel], kp[sel], vp[sel], bias[sel], scale, tile)
         if backend.last_run.level != "compiled":
             raise RuntimeError(f"{label}: the PyPTO kernel's numbers did not come from the compiled program")
         us += count * backend.last_run.estimated_us
     n_launches = sum(count for _, count in launches)
     return {"part": f"{label} ({T} patches)", "hf_kernels": 1, "hf_us": us, "fused_kernels": 1, "fused_us": us,
-            "fused_op": f"attn ({n_launches} sim.)", "blocks": VISION_BLOCKS - WINDOW_BLOCKS, "full_blocks_only": True}
+            "fused_op": f"attn ({n_launches} sim.)", "blocks": VISION_BLOCKS - WINDOW_BLOCKS,
+            "full_blocks_only": True}
 
 
 def _w8a8_calls(S: int, dtype):

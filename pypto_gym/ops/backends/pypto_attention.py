@@ -7,18 +7,19 @@ at one token, a chunk of a prefill's tokens, a chunk of a window) against its ke
 additive fp32 bias (0 where a row may attend, MASKED elsewhere: padded keys, the causal future, a padding mask), one
 row per pair ([P, 1, S]) or one per query row ([P, rows, S]). Per key tile: S = q k^T with the whole head_dim in one
 cube tile, the running max and sum in fp32, the exps rounded to the input dtype before P V (torch's flash attention
-rounds them so; `round_exps=False` keeps P V on fp32 operands), P V with the whole key tile in one cube tile, out = O / sum. So no cube tile splits K, the
-condition under which PyPTO 0.2.0's matmul verifies (varlen_attention's finding). Launches of at most
-MATMUL_PAIRS pairs and LAUNCH_PAIR_TILES pair x key-tile steps, each checked at the compiled level as an attention
-output ("mixture": SPEC 5).
+rounds them so; `round_exps=False` keeps P V on fp32 operands), P V with the whole key tile in one cube tile;
+out = O / sum. So no cube tile splits K, the condition under which PyPTO 0.2.0's matmul verifies (varlen_attention's
+finding). Launches of at most MATMUL_PAIRS pairs and LAUNCH_PAIR_TILES pair x key-tile steps, each checked at the
+compiled level as an attention output ("mixture": SPEC 5).
 """
 
+# no `from __future__ import annotations` here: PyPTO reads the kernel's annotations as objects
 import torch
 
-from .pypto_backend import MATMUL_PAIRS, RunInfo, Tiles  # no `from __future__ import annotations`: PyPTO reads the kernel's annotations as objects
+from .pypto_backend import MATMUL_PAIRS, RunInfo, Tiles
 
-KEY_TILE = 256  # keys per online-softmax step: a [16, 256] fp32 score tile per pair; 64 query rows at most
-MAX_ROWS = 64
+KEY_TILE = 256  # keys per online-softmax step
+MAX_ROWS = 64  # query rows per pair: a [64, 256] fp32 score tile at most
 # PyPTO 0.2.0's SIM holds the whole unrolled program: at 15 key tiles (a document page's full-attention block) a
 # launch of 2 pairs took 0.55 GB, 8 pairs 2.0 GB, 16 pairs 5.9 GB and 32 pairs ran out of 24 GiB
 LAUNCH_PAIR_TILES = 128

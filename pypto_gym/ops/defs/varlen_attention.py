@@ -162,31 +162,40 @@ def _padded_pairs(q, k, v, windows, D16):
     return padded, bias
 
 
-def _long_windows(backend, q, k, v, windows, scale, cast_mode):
-    """Windows longer than PYPTO_MAX_WINDOW (a full-attention block's image): pypto_attention's online softmax over
-    key tiles, each (window, head, chunk of 64 query rows) a pair against the window's keys; [T, H, D]."""
-    T, H, D = q.shape
+def long_window_pairs(q, k, v, windows):
+    """Windows longer than PYPTO_MAX_WINDOW (a full-attention block's image) as pypto_attention's pairs: each
+    (window, chunk of 64 query rows, head) against the window's keys padded to whole tiles. Returns q [P, 64, D16],
+    k and v [P, S, D16], the key bias [P, 1, S], the key tile and the chunks [(window end, first row)] in pair
+    order (each chunk's H heads consecutive)."""
+    H, D = q.shape[1], q.shape[2]
     D16, longest = -(-D // 16) * 16, max(b - a for a, b in windows)
     tile = key_tile(longest)
     S_pad, rows = -(-longest // tile) * tile, MAX_ROWS
-    pairs = [(j, b, c) for j, (a, b) in enumerate(windows) for c in range(a, b, rows)]  # window, its end, chunk
-    qp = q.new_zeros(len(pairs), H, rows, D16)
+    chunks = [(j, b, c) for j, (a, b) in enumerate(windows) for c in range(a, b, rows)]
+    qp = q.new_zeros(len(chunks), H, rows, D16)
     kp, vp = (t.new_zeros(len(windows), H, S_pad, D16) for t in (k, v))
     bias = torch.full((len(windows), 1, S_pad), MASKED, dtype=torch.float32, device=q.device)
     for j, (a, b) in enumerate(windows):
         kp[j, :, :b - a, :D], vp[j, :, :b - a, :D] = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
         bias[j, :, :b - a] = 0.0
-    for i, (_, b, c) in enumerate(pairs):
+    for i, (_, b, c) in enumerate(chunks):
         qp[i, :, :min(rows, b - c), :D] = q[c:min(c + rows, b)].transpose(0, 1)
-    idx = torch.tensor([j for j, _, _ in pairs], device=q.device)
-    o = tiled_attention(backend, "varlen_attention", qp.reshape(-1, rows, D16),
-                        *(t[idx].reshape(-1, S_pad, D16) for t in (kp, vp)),
-                        bias[idx][:, None].expand(len(pairs), H, 1, S_pad).reshape(-1, 1, S_pad), scale, tile,
-                        round_exps=cast_mode == "hf")
-    o = o.reshape(len(pairs), H, rows, D16)
+    idx = torch.tensor([j for j, _, _ in chunks], device=q.device)
+    kp, vp = (t[idx].reshape(-1, S_pad, D16) for t in (kp, vp))
+    bias = bias[idx][:, None].expand(len(chunks), H, 1, S_pad).reshape(-1, 1, S_pad)
+    return qp.reshape(-1, rows, D16), kp, vp, bias, tile, [(b, c) for _, b, c in chunks]
+
+
+def _long_windows(backend, q, k, v, windows, scale, cast_mode):
+    """Windows longer than PYPTO_MAX_WINDOW: long_window_pairs through pypto_attention's online softmax over key
+    tiles; [T, H, D]."""
+    T, H, D = q.shape
+    qp, kp, vp, bias, tile, chunks = long_window_pairs(q, k, v, windows)
+    o = tiled_attention(backend, "varlen_attention", qp, kp, vp, bias, scale, tile, round_exps=cast_mode == "hf")
+    o = o.reshape(len(chunks), H, MAX_ROWS, -1)
     out = q.new_empty(T, H, D)
-    for i, (_, b, c) in enumerate(pairs):
-        out[c:min(c + rows, b)] = o[i, :, :min(rows, b - c), :D].transpose(0, 1)
+    for i, (b, c) in enumerate(chunks):
+        out[c:min(c + MAX_ROWS, b)] = o[i, :, :min(MAX_ROWS, b - c), :D].transpose(0, 1)
     return out
 
 
