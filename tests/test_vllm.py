@@ -114,15 +114,16 @@ def test_every_provider_takes_vllms_own_semantics_in_vllm():
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
 def test_the_plugin_serves_the_same_tokens_and_says_what_ran_where(name, tmp_path):
     """fp32, 4 prompts in one batch, 32 tokens: vLLM's greedy tokens with pypto-gym's kernels equal its own, every
-    provider the model uses is called (from the worker: the report merges every process), and the shapes vLLM's
-    scheduler produced become a case file that `cases run --backend cpu` passes."""
+    provider the model uses is called (in the worker process of a deployment's engine: the report merges every
+    process), and the shapes vLLM's scheduler produced become a case file that `cases run --backend cpu` passes."""
     from pypto_gym.capture.runner import run_file
     from pypto_gym.vllm import report
 
     family = models.FAMILIES[name]
     prompts = [ids for ids in _prompts(family)] + [[5, 6, 7]]
     plain = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 32, dtype="float32")
-    fused = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 32, dtype="float32", env=_vllm_env(tmp_path))
+    fused = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 32, dtype="float32", env=_vllm_env(tmp_path),
+                             processes=True)
     assert compare.agreement(plain, fused)["tokens_equal"], (plain["outputs"], fused["outputs"])
     merged = report.merged(tmp_path / "report")
     assert len(merged["processes"]) >= 2  # the main process, the engine core and the worker write one each

@@ -18,12 +18,16 @@ MARK = "vllm_generate: "  # the script's answer line
 
 
 def vllm_run(python: str, model_dir, prompts: list[list[int]], max_tokens: int, logprobs: int = 5,
-             dtype: str = "bfloat16", timeout: float = 900, env: dict | None = None, tensor_parallel_size: int = 1) -> dict:
-    """{"quantization", "outputs": [{"token_ids", "logprobs": [{token id: logprob}]}]} from vLLM's greedy run."""
+             dtype: str = "bfloat16", timeout: float = 900, env: dict | None = None, tensor_parallel_size: int = 1,
+             processes: bool = False) -> dict:
+    """{"quantization", "outputs": [{"token_ids", "logprobs": [{token id: logprob}]}]} from vLLM's greedy run; with
+    `processes` (or tensor parallel) in the engine core and worker processes a deployment runs, else all in one
+    process (scripts/vllm_generate.py: the same tokens, half the start-up)."""
     with tempfile.TemporaryDirectory() as tmp:
         request = Path(tmp) / "request.json"
         request.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs,
-                                       "dtype": dtype, "tensor_parallel_size": tensor_parallel_size}))
+                                       "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
+                                       "processes": processes}))
         proc = subprocess.run([python, str(GENERATE), str(model_dir), str(request)], capture_output=True, text=True,
                               timeout=timeout, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})
     answer = [line[len(MARK):] for line in proc.stdout.splitlines() if line.startswith(MARK)]
