@@ -11,8 +11,11 @@ import functools
 import os
 import platform
 
-# kernel levels, best first: (name, cpuinfo flags it needs)
+# kernel levels, best first: (name, cpuinfo flags it needs); avx512amx is avx512bf16 with AMX tiles where a kernel
+# has a tile path (varlen_attention's two products), and needs the OS to grant the tile state too (amx_permitted)
 ISA_LEVELS = (
+    ("avx512amx", ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "fma", "f16c", "amx_tile",
+                   "amx_bf16")),
     ("avx512bf16", ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "fma", "f16c")),
     ("avx512", ("avx512f", "avx512bw", "avx512dq", "avx512vl", "fma", "f16c")),
     ("avx2", ("avx2", "fma", "f16c")),
@@ -47,17 +50,32 @@ def cpu_model() -> str:
 
 def best_isa() -> str:
     """The best kernel level this CPU runs (`generic` off x86 or when flags are unknown)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return "generic"
-    flags = cpu_flags()
-    return next(name for name, needs in ISA_LEVELS if all(f in flags for f in needs))
+    return next(name for name, _ in ISA_LEVELS if supports_isa(name))
 
 
 def supports_isa(isa: str) -> bool:
     needs = dict(ISA_LEVELS).get(isa)
     if needs is None:
         return False
-    return isa == "generic" or (platform.machine() in ("x86_64", "AMD64") and all(f in cpu_flags() for f in needs))
+    if isa == "generic":
+        return True
+    return (platform.machine() in ("x86_64", "AMD64") and all(f in cpu_flags() for f in needs)
+            and ("amx_tile" not in needs or amx_permitted()))
+
+
+@functools.lru_cache(maxsize=1)
+def amx_permitted() -> bool:
+    """True once Linux has granted this process the AMX tile data state (arch_prctl ARCH_REQ_XCOMP_PERM for
+    XFEATURE_XTILEDATA, as oneDNN asks for it): without it the first tile instruction kills the process. The
+    grant is per process, so asking here covers every thread the kernels run on."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl on x86-64
+    except (OSError, AttributeError):
+        return False
 
 
 def native_bf16() -> bool:

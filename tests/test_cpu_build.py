@@ -72,6 +72,17 @@ def test_the_level_follows_the_cpu(monkeypatch, flags, level):
     assert hardware.native_bf16() is False
 
 
+@pytest.mark.parametrize("granted,level", [(True, "avx512amx"), (False, "avx512bf16")])
+def test_amx_tiles_need_the_cpu_and_the_os(monkeypatch, granted, level):
+    """AMX is a level only where the CPU has the tiles and Linux grants this process their state (without the
+    grant the first tile instruction kills the process): otherwise the same CPU runs avx512bf16."""
+    avx512bf16 = dict(hardware.ISA_LEVELS)["avx512bf16"]
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({*avx512bf16, "amx_tile", "amx_bf16"}))
+    monkeypatch.setattr(hardware, "amx_permitted", lambda: granted)
+    monkeypatch.setattr(hardware.platform, "machine", lambda: "x86_64")
+    assert hardware.best_isa() == level
+
+
 def test_a_complete_build_loads_from_a_read_only_cache():
     """A pre-built cache on a read-only volume: loading must not open the lock (or anything) for writing."""
     cpu.build(hardware.best_isa())

@@ -16,7 +16,7 @@ def add_parser(sub):
     b.add_argument("--no-pin-allocator", action="store_true",
                    help="time with glibc's default mmap/trim behaviour (page faults make large shapes bimodal)")
     b.add_argument("--isa", default="best", help="cpu kernel levels to time: best (default), all, or a comma list "
-                                                 "of avx512bf16,avx512,avx2,generic")
+                                                 "of avx512amx,avx512bf16,avx512,avx2,generic")
     b.add_argument("--ops", help="comma list of ops to time (default: every op with a bench spec)")
     b.add_argument("--json", help=f"default: {BENCH_OUT}/ops.json")
     b.add_argument("--png", help=f"default: {BENCH_OUT}/ops.png")

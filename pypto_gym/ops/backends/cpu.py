@@ -40,6 +40,8 @@ from ..registry import Backend, register
 CSRC = Path(__file__).with_name("csrc")
 DEFS = Path(__file__).resolve().parent.parent / "defs"
 ISA_FLAGS = {
+    "avx512amx": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16",
+                  "-mamx-tile", "-mamx-bf16"],
     "avx512bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16"],
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],

@@ -1,15 +1,17 @@
 // varlen_attention (defs/varlen_attention.py): softmax(q k^T * scale) v inside each window of cu_seqlens, every
 // window and head in one call, threads over (window, head).
 //
-// A task packs its window's keys (transposed) and values as fp32 in thread-local buffers once (bf16 pairs for
-// vdpbf16ps on AVX-512 BF16: see gemm_dp), then per block of 64 query rows runs both products with one
-// register-blocked kernel (C += A B, B's rows a multiple of the vector width): S = Q K^T, then an online softmax
-// over key blocks of 64 (a window of up to 64 is one block; a full-attention block's thousands of keys are many,
-// as in torch's flash attention), O += P V, O times 1 / l at the end, rounded once. As torch's CPU flash attention
-// (which HF's per-window sdpa calls run) does: scores scaled after the product, exp of (s - row max), the row sum
-// from the fp32 exps, and in hf mode on 16-bit inputs the exps rounded to the input dtype before P V (fp32 mode
-// keeps them fp32). Accumulation orders differ from torch's GEMMs, so outputs are within the precision rule, not
-// bit-identical.
+// A task packs its window's keys (transposed) and values once in thread-local buffers: fp32, or on AVX-512 BF16
+// bf16 pairs for vdpbf16ps (gemm_dp; the keys transposed 16 x 16 in registers). Per block of 64 query rows it
+// runs both products with one register-blocked kernel (C += A B, B's rows a multiple of the vector width):
+// S = Q K^T, then an online softmax over key blocks of 64 (a window of up to 64 is one block; a full-attention
+// block's thousands of keys are many, as in torch's flash attention), O += P V, O times 1 / l at the end,
+// rounded once. As torch's CPU flash attention (which HF's per-window sdpa calls run) does: scores scaled after
+// the product, exp of (s * scale - row max), the row sum from the fp32 exps, and in hf mode on 16-bit inputs the
+// exps rounded to the input dtype before P V (fp32 mode keeps them fp32; on bf16 they are written as the pairs P V
+// reads). Accumulation orders differ from torch's GEMMs, so outputs are within the precision rule, not
+// bit-identical. On the avx512amx level the same bf16 products run as AMX tile dot products (gemm_amx): the same
+// operands, zero-padded to whole tiles.
 #include <cstring>
 #include <type_traits>
 
@@ -135,58 +137,134 @@ void gemm_dp(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, flo
 }
 #endif
 
-inline uint32_t bf16_pair(uint16_t even, uint16_t odd) { return (uint32_t)even | ((uint32_t)odd << 16); }
-inline uint16_t bf16_bits(float f) {  // f holds a bf16 value (exact): its upper half
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return (uint16_t)(u >> 16);
-}
+#if defined(PG_ATTENTION_DP) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX (the avx512amx level; hardware.amx_permitted has asked Linux for the tile state): a tile is 16 rows of 64
+// bytes, so one tdpbf16ps multiplies 16 rows of 16 bf16 pairs (A) by 16 pair rows of 16 columns (B, the same
+// pair layout gemm_dp reads) into a 16 x 16 fp32 tile: 16x the products of one vdpbf16ps. Tiles 0-3 hold a
+// 32 x 32 block of C, 4-5 two row tiles of A, 6-7 two column tiles of B. Products and sums are those of gemm_dp
+// (bf16 operands, exact products, fp32 sums; subnormal operands as zero), in another order.
+#define PG_ATTENTION_AMX 1
+constexpr int64_t TILE = 16;
 
-// one row of scores -> probabilities in place (exps rounded to X in hf mode); returns the fp32 sum of the exps
-template <class X, bool ROUND_P>
-float exp_row(float* s, int64_t n, int64_t n_padded, float max) {
+struct alignas(64) TileConfig {  // ldtilecfg's 64-byte layout, palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// each thread configures its tiles before its first tile instruction (the state is per thread, and oneDNN's own
+// configuration may be loaded between two of our calls) and releases them when done
+__attribute__((target("amx-tile"))) inline void tiles_on() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = TILE;
+  _tile_loadconfig(&config);
+}
+__attribute__((target("amx-tile"))) inline void tiles_off() { _tile_release(); }
+
+// C[M][N] (+)= A[M][K2] B[K2][N] (bf16 pairs), M a multiple of 32, N of 16, K2 of 16; leading dims in elements
+template <bool ACC>
+__attribute__((target("amx-tile,amx-bf16"))) void gemm_amx(const uint32_t* A, int64_t lda, const uint32_t* B,
+                                                           int64_t ldb, float* C, int64_t ldc, int64_t M, int64_t N,
+                                                           int64_t K2) {
+  asm volatile("" ::: "memory");  // tile loads are asm the compiler cannot see read A and B: stores land first
+  const int64_t sa = lda * 4, sb = ldb * 4, sc = ldc * 4;
+  for (int64_t i = 0; i < M; i += 2 * TILE) {
+    float *c0 = C + i * ldc, *c1 = c0 + TILE * ldc;
+    const uint32_t *a0 = A + i * lda, *a1 = a0 + TILE * lda;
+    int64_t n = 0;
+    for (; n + 2 * TILE <= N; n += 2 * TILE) {
+      if (ACC) {
+        _tile_loadd(0, c0 + n, sc); _tile_loadd(1, c0 + n + TILE, sc);
+        _tile_loadd(2, c1 + n, sc); _tile_loadd(3, c1 + n + TILE, sc);
+      } else {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      }
+      for (int64_t k = 0; k < K2; k += TILE) {
+        _tile_loadd(4, a0 + k, sa); _tile_loadd(5, a1 + k, sa);
+        _tile_loadd(6, B + k * ldb + n, sb); _tile_loadd(7, B + k * ldb + n + TILE, sb);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c0 + n, sc); _tile_stored(1, c0 + n + TILE, sc);
+      _tile_stored(2, c1 + n, sc); _tile_stored(3, c1 + n + TILE, sc);
+    }
+    if (n < N) {  // a last column of tiles (N = 80: 32 + 32 + 16)
+      if (ACC) {
+        _tile_loadd(0, c0 + n, sc); _tile_loadd(2, c1 + n, sc);
+      } else {
+        _tile_zero(0); _tile_zero(2);
+      }
+      for (int64_t k = 0; k < K2; k += TILE) {
+        _tile_loadd(4, a0 + k, sa); _tile_loadd(5, a1 + k, sa); _tile_loadd(6, B + k * ldb + n, sb);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6);
+      }
+      _tile_stored(0, c0 + n, sc); _tile_stored(2, c1 + n, sc);
+    }
+  }
+}
+#endif
+
+#ifdef PG_ATTENTION_AMX
+constexpr int64_t KEY_PAD = 2 * TILE;  // keys (columns of S, pair rows of V) and query rows in whole tile pairs
+#else
+constexpr int64_t KEY_PAD = LANES;
+#endif
+inline int64_t key_padded(int64_t n) { return (n + KEY_PAD - 1) / KEY_PAD * KEY_PAD; }
+
+inline uint32_t bf16_pair(uint16_t even, uint16_t odd) { return (uint32_t)even | ((uint32_t)odd << 16); }
+
+// one row of raw scores -> the exps of (s * scale - max) in e[0:n_padded] (zeros past n): fp32 (rounded to X in
+// hf mode), or as bf16 (E = uint16_t: the pairs P V reads, hf mode on bf16 inputs); returns the fp32 sum of the
+// unrounded exps. The scores are scaled as torch's flash attention does (the product, then times the scale).
+template <class X, bool ROUND_P, class E>
+float exp_row(const float* s, int64_t n, int64_t n_padded, float scale, float max, E* e) {
+  constexpr bool BITS = std::is_same<E, uint16_t>::value;
   float sum = 0.0f;
   int64_t j = 0;
 #ifdef PG_SIMD
   V acc = vset(0.0f);
   for (; j + W <= n; j += W) {
-    V p = vexp(vsub(vload<F32>(s + j), vset(max)));
+    V p = vexp(vsub(vmul(vload<F32>(s + j), vset(scale)), vset(max)));
     acc = vadd(acc, p);
-    vstore<F32>(s + j, ROUND_P ? vround<X>(p) : p);
+#ifdef PG_ATTENTION_DP
+    if constexpr (BITS)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(e + j), bf16_pack(p));
+    else
+#endif
+      vstore<F32>(reinterpret_cast<float*>(e + j), ROUND_P ? vround<X>(p) : p);
   }
+#ifdef PG_SIMD512
+  sum = _mm512_reduce_add_ps(acc);  // a tree: 4 dependent adds, not 16
+#else
   alignas(64) float lanes[W];
   vstore<F32>(lanes, acc);
   for (int64_t l = 0; l < W; ++l) sum += lanes[l];
 #endif
+#endif
   for (; j < n; ++j) {
-    const float p = std::exp(s[j] - max);
+    const float p = std::exp(s[j] * scale - max);
     sum += p;
-    s[j] = ROUND_P ? round_to<X>(p) : p;
+    if constexpr (BITS)
+      e[j] = BF16::store(p);
+    else
+      e[j] = ROUND_P ? round_to<X>(p) : p;
   }
-  for (; j < n_padded; ++j) s[j] = 0.0f;
+  for (; j < n_padded; ++j) e[j] = 0;
   return sum;
 }
 
-// s[0:n] *= scale; returns the max
-inline float scale_max(float* s, int64_t n, float scale) {
+// the max of s[0:n] times scale (> 0): the max of the scaled scores, rounding being monotonic
+inline float scaled_max(const float* s, int64_t n, float scale) {
   float row_max = -INFINITY;
   int64_t j = 0;
 #ifdef PG_SIMD
   if (n >= W) {
     V mx = vset(-INFINITY);
-    for (; j + W <= n; j += W) {
-      const V x = vmul(vload<F32>(s + j), vset(scale));
-      vstore<F32>(s + j, x);
-      mx = vmaxf(mx, x);
-    }
+    for (; j + W <= n; j += W) mx = vmaxf(mx, vload<F32>(s + j));
     row_max = vhmax(mx);
   }
 #endif
-  for (; j < n; ++j) {
-    s[j] *= scale;
-    row_max = std::max(row_max, s[j]);
-  }
-  return row_max;
+  for (; j < n; ++j) row_max = std::max(row_max, s[j]);
+  return row_max * scale;
 }
 
 template <class X>
@@ -202,36 +280,88 @@ struct Task {
   int64_t start, end, head;  // the window [start, end) and the head
 };
 
+#ifdef PG_ATTENTION_DP
+// r[i][j] -> r[j][i] for 16 x 16 32-bit values: pairs within 128-bit lanes (epi32, then epi64 unpacks: r[4g + c]
+// lane L holds column 4L + c of rows 4g..4g+3), then the 128-bit lanes of r[c], r[4 + c], r[8 + c], r[12 + c]
+// transposed as a 4 x 4 (two shuffle_i32x4 rounds)
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {
+    r[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    r[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    r[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    r[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44),
+                  y1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
 // a window's keys as bf16 pairs along D, transposed [D2][Lp], and (with PAIR_V) its values as pairs along the keys
 // [Lp/2][Dp]; zeros past the window and past D
 template <class T, bool PAIR_V>
 void pack_pairs(const T* kp, const T* vp, const Task& task, int64_t kt, int64_t kh, int64_t vt, int64_t vh, int64_t D,
                 int64_t Dp, int64_t L, int64_t Lw, int64_t Lp, std::vector<uint32_t>& KTp, std::vector<uint32_t>& Vp) {
-  const int64_t D2 = (D + 1) / 2;
+  const int64_t D2 = (D + 1) / 2;  // pair rows past D2 (tile padding) stay zero
   auto row = [&](const T* base, int64_t t_stride, int64_t h_stride, int64_t j) {
     return j < L ? reinterpret_cast<const uint16_t*>(base + (task.start + j) * t_stride + task.head * h_stride)
                  : nullptr;
   };
-  for (int64_t j = 0; j < Lw; ++j) {
-    const uint16_t* k = row(kp, kt, kh, j);
-    for (int64_t p = 0; p < D2; ++p)
-      KTp[p * Lp + j] = k ? bf16_pair(k[2 * p], 2 * p + 1 < D ? k[2 * p + 1] : 0) : 0;
+  if (D % 2 == 0 && kt % 2 == 0) {
+    // an even row is its pairs already (little-endian: the even element low): 16 keys x 16 pairs transposed in
+    // registers at a time (Lw is a multiple of 16), keys past the window zero
+    const uint32_t* base = reinterpret_cast<const uint32_t*>(kp + task.start * kt + task.head * kh);
+    for (int64_t j0 = 0; j0 < Lw; j0 += 16)
+      for (int64_t p0 = 0; p0 < D2; p0 += 16) {
+        const int64_t np = std::min<int64_t>(16, D2 - p0);
+        const __mmask16 cols = (__mmask16)((1u << np) - 1);
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; ++i)
+          r[i] = j0 + i < L ? _mm512_maskz_loadu_epi32(cols, base + (j0 + i) * (kt / 2) + p0) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int64_t i = 0; i < np; ++i) _mm512_storeu_si512(KTp.data() + (p0 + i) * Lp + j0, r[i]);
+      }
+  } else {
+    for (int64_t j = 0; j < Lw; ++j) {
+      const uint16_t* k = row(kp, kt, kh, j);
+      for (int64_t p = 0; p < D2; ++p)
+        KTp[p * Lp + j] = k ? bf16_pair(k[2 * p], 2 * p + 1 < D ? k[2 * p + 1] : 0) : 0;
+    }
   }
   if constexpr (PAIR_V) {
     for (int64_t j = 0; j < Lw; j += 2) {
       const uint16_t *v0 = row(vp, vt, vh, j), *v1 = row(vp, vt, vh, j + 1);
       uint32_t* out = Vp.data() + j / 2 * Dp;
-      for (int64_t n = 0; n < Dp; ++n)
-        out[n] = n < D ? bf16_pair(v0 ? v0[n] : 0, v1 ? v1[n] : 0) : 0;
+      int64_t n = 0;
+      for (; n + 16 <= D; n += 16) {  // rows j and j + 1 interleaved: 16 values of each widened, one shifted up
+        auto widen = [&](const uint16_t* r) {
+          return r ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + n)))
+                   : _mm512_setzero_si512();
+        };
+        _mm512_storeu_si512(out + n, _mm512_or_si512(widen(v0), _mm512_slli_epi32(widen(v1), 16)));
+      }
+      for (; n < Dp; ++n) out[n] = n < D ? bf16_pair(v0 ? v0[n] : 0, v1 ? v1[n] : 0) : 0;
     }
   }
 }
+#endif
 
 template <class X, bool ROUND_P>
 void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& y,
                      const std::vector<Task>& tasks, int64_t longest, float scale) {
   using T = typename X::T;
-  const int64_t D = q.size(2), Dp = padded(D), Kp = padded(BLOCK_K), Lp = padded(longest);
+  const int64_t D = q.size(2), Dp = padded(D), Kp = padded(BLOCK_K), Lp = key_padded(longest);
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
   const T* kp = reinterpret_cast<const T*>(k.data_ptr());
   const T* vp = reinterpret_cast<const T*>(v.data_ptr());
@@ -244,17 +374,43 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   constexpr bool DP_QK = false, DP_PV = false;
 #endif
   const int64_t D2 = (D + 1) / 2;  // bf16 pairs along D
+#ifdef PG_ATTENTION_AMX
+  const int64_t D2k = (D2 + TILE - 1) / TILE * TILE;  // the pairs' K in whole tiles (zeros past D2)
+  // S = Q K^T and O += P V on tiles, rows in whole tile pairs (rows past a block's queries are computed, not read)
+  auto qk = [&](const uint32_t* A, const uint32_t* B, float* C, int64_t M, int64_t N) {
+    gemm_amx<false>(A, D2k, B, Lp, C, Kp, (M + 2 * TILE - 1) / (2 * TILE) * 2 * TILE, N, D2k);
+  };
+  auto pv = [&](const uint32_t* A, const uint32_t* B, float* C, int64_t M, int64_t K2, bool acc) {
+    const int64_t rows = (M + 2 * TILE - 1) / (2 * TILE) * 2 * TILE;
+    acc ? gemm_amx<true>(A, Kp / 2, B, Dp, C, Dp, rows, Dp, K2) : gemm_amx<false>(A, Kp / 2, B, Dp, C, Dp, rows, Dp, K2);
+  };
+#elif defined(PG_ATTENTION_DP)
+  const int64_t D2k = D2;
+  auto qk = [&](const uint32_t* A, const uint32_t* B, float* C, int64_t M, int64_t N) {
+    gemm_dp<false>(A, D2k, B, Lp, C, Kp, M, N, D2k);
+  };
+  auto pv = [&](const uint32_t* A, const uint32_t* B, float* C, int64_t M, int64_t K2, bool acc) {
+    acc ? gemm_dp<true>(A, Kp / 2, B, Dp, C, Dp, M, Dp, K2) : gemm_dp<false>(A, Kp / 2, B, Dp, C, Dp, M, Dp, K2);
+  };
+#else
+  const int64_t D2k = D2;
+#endif
   at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t begin, int64_t end) {
+#ifdef PG_ATTENTION_AMX
+    if constexpr (DP_QK) tiles_on();
+#endif
     // the window's keys transposed [D][Lp] and values [Lp][Dp], packed once (as bf16 pairs for vdpbf16ps: keys
     // [D2][Lp], values [Lp/2][Dp]); a block of queries (and its exps) and its state
     std::vector<float> KT(DP_QK ? 0 : D * Lp), Vw(DP_PV ? 0 : Lp * Dp), Q(DP_QK ? 0 : BLOCK_Q * D),
         S(BLOCK_Q * Kp), O(BLOCK_Q * Dp), m(BLOCK_Q), l(BLOCK_Q);
-    std::vector<uint32_t> KTp(DP_QK ? D2 * Lp : 0), Vp(DP_PV ? Lp / 2 * Dp : 0), Qp(DP_QK ? BLOCK_Q * D2 : 0),
+    std::vector<uint32_t> KTp(DP_QK ? D2k * Lp : 0), Vp(DP_PV ? Lp / 2 * Dp : 0), Qp(DP_QK ? BLOCK_Q * D2k : 0),
         Pp(DP_PV ? BLOCK_Q * Kp / 2 : 0);
     for (int64_t t = begin; t < end; ++t) {
       const Task& task = tasks[t];
-      const int64_t h = task.head, L = task.end - task.start, Lw = padded(L);
+      const int64_t h = task.head, L = task.end - task.start, Lw = key_padded(L);
+#ifdef PG_ATTENTION_DP
       if constexpr (DP_QK) pack_pairs<T, DP_PV>(kp, vp, task, kt, kh, vt, vh, D, Dp, L, Lw, Lp, KTp, Vp);
+#endif
       for (int64_t j = 0; j < Lw && !DP_QK; ++j) {
         float* vw = Vw.data() + j * Dp;
         if (j >= L) {
@@ -281,41 +437,51 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
           const T* qrow = qp + (task.start + q0 + i) * qt + h * qh;
           if constexpr (DP_QK) {
             const uint16_t* bits = reinterpret_cast<const uint16_t*>(qrow);
-            for (int64_t p = 0; p < D2; ++p)
-              Qp[i * D2 + p] = bf16_pair(bits[2 * p], 2 * p + 1 < D ? bits[2 * p + 1] : 0);
+            if (D % 2 == 0)  // an even row is its pairs
+              std::memcpy(Qp.data() + i * D2k, bits, D * sizeof(uint16_t));
+            else
+              for (int64_t p = 0; p < D2; ++p)
+                Qp[i * D2k + p] = bf16_pair(bits[2 * p], 2 * p + 1 < D ? bits[2 * p + 1] : 0);
           } else {
             to_f32<X>(qrow, Q.data() + i * D, D);
           }
         }
-        std::fill(O.begin(), O.end(), 0.0f);
         std::fill(m.begin(), m.end(), -INFINITY);
-        std::fill(l.begin(), l.end(), 0.0f);
         for (int64_t k0 = 0; k0 < L; k0 += BLOCK_K) {
-          const int64_t nk = std::min(BLOCK_K, L - k0), nkp = padded(nk);
+          const int64_t nk = std::min(BLOCK_K, L - k0), nkp = key_padded(nk);
 #ifdef PG_ATTENTION_DP
           if constexpr (DP_QK)
-            gemm_dp<false>(Qp.data(), D2, KTp.data() + k0, Lp, S.data(), Kp, nq, nkp, D2);
+            qk(Qp.data(), KTp.data() + k0, S.data(), nq, nkp);
           else
 #endif
             gemm<false>(Q.data(), D, KT.data() + k0, Lp, S.data(), Kp, nq, nkp, D);
           for (int64_t i = 0; i < nq; ++i) {
             float* s = S.data() + i * Kp;
-            const float m_new = std::max(m[i], scale_max(s, nk, scale));
-            const float alpha = std::exp(m[i] - m_new);  // 0 at the first block (m = -inf)
-            l[i] = l[i] * alpha + exp_row<X, ROUND_P>(s, nk, nkp, m_new);
-            if (alpha != 1.0f)
-              for (int64_t d = 0; d < Dp; ++d) O[i * Dp + d] *= alpha;
+            const float m_new = std::max(m[i], scaled_max(s, nk, scale));
+            // the exps in place, or as bf16 pairs along the keys for vdpbf16ps / tiles (hf mode on bf16 inputs)
+            auto exps = [&] {
+              if constexpr (DP_PV)
+                return exp_row<X, ROUND_P>(s, nk, nkp, scale, m_new, reinterpret_cast<uint16_t*>(Pp.data() + i * (Kp / 2)));
+              else
+                return exp_row<X, ROUND_P>(s, nk, nkp, scale, m_new, s);
+            };
+            if (k0 == 0) {  // the first block: O and l are zero, nothing to rescale (a window of <= 64 keys)
+              l[i] = exps();
+            } else {
+              const float alpha = std::exp(m[i] - m_new);
+              l[i] = l[i] * alpha + exps();
+              if (alpha != 1.0f)
+                for (int64_t d = 0; d < Dp; ++d) O[i * Dp + d] *= alpha;
+            }
             m[i] = m_new;
           }
 #ifdef PG_ATTENTION_DP
-          if constexpr (DP_PV) {  // the exps are bf16 values: packed as pairs along the keys
-            for (int64_t i = 0; i < nq; ++i)
-              for (int64_t p = 0; p < nkp / 2; ++p)
-                Pp[i * (Kp / 2) + p] = bf16_pair(bf16_bits(S[i * Kp + 2 * p]), bf16_bits(S[i * Kp + 2 * p + 1]));
-            gemm_dp<true>(Pp.data(), Kp / 2, Vp.data() + k0 / 2 * Dp, Dp, O.data(), Dp, nq, Dp, nkp / 2);
-          } else
+          if constexpr (DP_PV)
+            pv(Pp.data(), Vp.data() + k0 / 2 * Dp, O.data(), nq, nkp / 2, k0 > 0);  // the first block sets O
+          else
 #endif
-            gemm<true>(S.data(), Kp, Vw.data() + k0 * Dp, Dp, O.data(), Dp, nq, Dp, nkp);
+            k0 > 0 ? gemm<true>(S.data(), Kp, Vw.data() + k0 * Dp, Dp, O.data(), Dp, nq, Dp, nkp)
+                   : gemm<false>(S.data(), Kp, Vw.data() + k0 * Dp, Dp, O.data(), Dp, nq, Dp, nkp);
         }
         for (int64_t i = 0; i < nq; ++i) {
           T* out = yp + (task.start + q0 + i) * yt + h * yh;
@@ -329,6 +495,9 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         }
       }
     }
+#ifdef PG_ATTENTION_AMX
+    if constexpr (DP_QK) tiles_off();
+#endif
   });
 }
 

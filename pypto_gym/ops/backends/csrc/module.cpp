@@ -6,7 +6,9 @@ namespace {
 
 // Which vector path this build compiled (reported by the benchmarks; checked against the CPU by cpu.py).
 std::string isa() {
-#if defined(__AVX512BF16__) && defined(PG_SIMD)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(PG_SIMD)
+  return "avx512amx";
+#elif defined(__AVX512BF16__) && defined(PG_SIMD)
   return "avx512bf16";
 #elif defined(__AVX512F__) && defined(PG_SIMD)
   return "avx512";
