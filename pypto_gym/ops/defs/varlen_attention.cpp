@@ -280,7 +280,7 @@ struct Task {
   int64_t start, end, head;  // the window [start, end) and the head
 };
 
-#ifdef PG_ATTENTION_DP
+#ifdef PG_SIMD512
 // r[i][j] -> r[j][i] for 16 x 16 32-bit values: pairs within 128-bit lanes (epi32, then epi64 unpacks: r[4g + c]
 // lane L holds column 4L + c of rows 4g..4g+3), then the 128-bit lanes of r[c], r[4 + c], r[8 + c], r[12 + c]
 // transposed as a 4 x 4 (two shuffle_i32x4 rounds)
@@ -308,6 +308,25 @@ inline void transpose16(__m512i r[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
+// out[c * ld + j] = rows[j * stride + c] for j < Lw (a multiple of 16; rows from `valid` on are zero) and c < cols:
+// a window's keys (as bf16 pairs) transposed, 16 x 16 32-bit values in registers at a time
+inline void transpose_rows(const uint32_t* rows, int64_t stride, int64_t valid, int64_t cols, int64_t Lw, uint32_t* out,
+                           int64_t ld) {
+  for (int64_t j0 = 0; j0 < Lw; j0 += 16)
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      const int64_t nc = std::min<int64_t>(16, cols - c0);
+      const __mmask16 live = (__mmask16)((1u << nc) - 1);
+      __m512i r[16];
+      for (int64_t i = 0; i < 16; ++i)
+        r[i] = j0 + i < valid ? _mm512_maskz_loadu_epi32(live, rows + (j0 + i) * stride + c0) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int64_t i = 0; i < nc; ++i) _mm512_storeu_si512(out + (c0 + i) * ld + j0, r[i]);
+    }
+}
+#endif
+
+#ifdef PG_ATTENTION_DP
+
 // a window's keys as bf16 pairs along D, transposed [D2][Lp], and (with PAIR_V) its values as pairs along the keys
 // [Lp/2][Dp]; zeros past the window and past D
 template <class T, bool PAIR_V>
@@ -318,20 +337,9 @@ void pack_pairs(const T* kp, const T* vp, const Task& task, int64_t kt, int64_t 
     return j < L ? reinterpret_cast<const uint16_t*>(base + (task.start + j) * t_stride + task.head * h_stride)
                  : nullptr;
   };
-  if (D % 2 == 0 && kt % 2 == 0) {
-    // an even row is its pairs already (little-endian: the even element low): 16 keys x 16 pairs transposed in
-    // registers at a time (Lw is a multiple of 16), keys past the window zero
-    const uint32_t* base = reinterpret_cast<const uint32_t*>(kp + task.start * kt + task.head * kh);
-    for (int64_t j0 = 0; j0 < Lw; j0 += 16)
-      for (int64_t p0 = 0; p0 < D2; p0 += 16) {
-        const int64_t np = std::min<int64_t>(16, D2 - p0);
-        const __mmask16 cols = (__mmask16)((1u << np) - 1);
-        __m512i r[16];
-        for (int64_t i = 0; i < 16; ++i)
-          r[i] = j0 + i < L ? _mm512_maskz_loadu_epi32(cols, base + (j0 + i) * (kt / 2) + p0) : _mm512_setzero_si512();
-        transpose16(r);
-        for (int64_t i = 0; i < np; ++i) _mm512_storeu_si512(KTp.data() + (p0 + i) * Lp + j0, r[i]);
-      }
+  if (D % 2 == 0 && kt % 2 == 0) {  // an even row is its pairs already (little-endian: the even element low)
+    transpose_rows(reinterpret_cast<const uint32_t*>(kp + task.start * kt + task.head * kh), kt / 2, L, D2, Lw,
+                   KTp.data(), Lp);
   } else {
     for (int64_t j = 0; j < Lw; ++j) {
       const uint16_t* k = row(kp, kt, kh, j);
