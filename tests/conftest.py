@@ -71,3 +71,37 @@ def sample_inputs(tiny_loaded):
 
     model, processor = tiny_loaded
     return processor(["Read the text in the image."], [Image.open(SAMPLE_IMAGE).convert("RGB")], model=model)
+
+
+# ---- the kernel levels, built beside the first tests -------------------------------------------------------------
+_LEVEL_BUILDS: list = []
+
+
+def pytest_collection_finish(session):
+    """tests/test_cpu_kernels.py runs every op at every level this CPU runs, each level one single-threaded compile
+    of ~50 s into the session's cache. When it is collected, one process builds the levels besides the best one
+    (which the first tests build themselves) while the tests before it run: the second core's work, minutes
+    off a fresh run. A test reaching a level first waits on that build's lock, then loads it."""
+    import subprocess
+    import sys
+
+    if not any(item.nodeid.startswith("tests/test_cpu_kernels.py") for item in session.items):
+        return
+    from pypto_gym import hardware
+
+    best = hardware.best_isa()
+    levels = [isa for isa, _ in hardware.ISA_LEVELS if isa != best and hardware.supports_isa(isa)]
+    if levels:
+        code = "import sys\nfrom pypto_gym.ops.backends import cpu\nfor isa in sys.argv[1:]:\n    cpu.build(isa)\n"
+        _LEVEL_BUILDS.append(subprocess.Popen([sys.executable, "-c", code, *levels], stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL, start_new_session=True))
+
+
+def pytest_sessionfinish(session):
+    """A build still running when the session ends (a short selection) is stopped with its compiler."""
+    import signal
+
+    for proc in _LEVEL_BUILDS:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
