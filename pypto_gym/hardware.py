@@ -65,17 +65,12 @@ def supports_isa(isa: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def amx_permitted() -> bool:
-    """True once Linux has granted this process the AMX tile data state (arch_prctl ARCH_REQ_XCOMP_PERM for
-    XFEATURE_XTILEDATA, as oneDNN asks for it): without it the first tile instruction kills the process. The
-    grant is per process, so asking here covers every thread the kernels run on."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    import ctypes
+    """True where the CPU has AMX tiles and Linux has granted this process their state (arch_prctl
+    ARCH_REQ_XCOMP_PERM, through torch's `_init_amx`, as oneDNN asks): without the grant the first tile instruction
+    kills the process. The grant is per process, so asking once covers every thread the kernels run on."""
+    import torch
 
-    try:
-        return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl on x86-64
-    except (OSError, AttributeError):
-        return False
+    return bool(torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx())
 
 
 def native_bf16() -> bool:

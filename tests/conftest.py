@@ -80,8 +80,9 @@ _LEVEL_BUILDS: list = []
 def pytest_collection_finish(session):
     """tests/test_cpu_kernels.py runs every op at every level this CPU runs, each level one single-threaded compile
     of ~50 s into the session's cache. When it is collected, one process builds the levels besides the best one
-    (which the first tests build themselves) while the tests before it run: the second core's work, minutes
-    off a fresh run. A test reaching a level first waits on that build's lock, then loads it."""
+    (which the first tests build themselves) while the tests before it run, on the second core, instead of a
+    ~50 s setup per level on the suite's critical path. A test reaching a level first waits on that build's lock,
+    then loads it."""
     import subprocess
     import sys
 

@@ -2,8 +2,8 @@
 
 vLLM calls `register()` in its main process, its engine core and each worker before a model is built.
 
-- Always, on a CPU with AMX: ask Linux for the process's AMX tile state (arch_prctl, through
-  torch._C._cpu._init_amx). vLLM 0.32 runs bf16 attention on the CPU with AMX kernels but never asks: its
+- Always, on a CPU with AMX: ask Linux for the process's AMX tile state (`hardware.amx_permitted`: arch_prctl,
+  through torch._C._cpu._init_amx). vLLM 0.32 runs bf16 attention on the CPU with AMX kernels but never asks: its
   worker dies with SIGILL (exit code -4) at the first prefill. This only makes vLLM's own kernels runnable.
 - With `PYPTO_GYM_VLLM=1` (and `USE_PTO_RMS_NORM` not 0), pypto-gym's kernels serve vLLM's ops (providers.py): IR op providers for `rms_norm` and `fused_add_rms_norm`, put first in
   the platform's default priority (a user's `kernel_config={"ir_op_priority": ...}` still comes first), and
@@ -23,20 +23,11 @@ from __future__ import annotations
 import os
 import sys
 
-from .. import config
+from .. import config, hardware
 
 SWITCH = "PYPTO_GYM_VLLM"
 OPS_SWITCH = "PYPTO_GYM_VLLM_OPS"  # which of providers.OP_NAMES to take (default: all)
 _done: list = []
-
-
-def request_amx() -> bool:
-    """Ask the kernel for AMX tile state in this process where the CPU has AMX; True when it may be used."""
-    import torch
-
-    if not torch.cpu._is_amx_tile_supported():
-        return False
-    return bool(torch._C._cpu._init_amx())
 
 
 def enabled() -> bool:
@@ -66,7 +57,7 @@ def register() -> None:
     if _done:
         return
     _done.append(True)
-    request_amx()
+    hardware.amx_permitted()
     if not enabled():
         return
     from . import providers, report

@@ -326,7 +326,6 @@ inline void transpose_rows(const uint32_t* rows, int64_t stride, int64_t valid, 
 #endif
 
 #ifdef PG_ATTENTION_DP
-
 // a window's keys as bf16 pairs along D, transposed [D2][Lp], and (with PAIR_V) its values as pairs along the keys
 // [Lp/2][Dp]; zeros past the window and past D
 template <class T, bool PAIR_V>
@@ -386,11 +385,11 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t D2k = (D2 + TILE - 1) / TILE * TILE;  // the pairs' K in whole tiles (zeros past D2)
   // S = Q K^T and O += P V on tiles, rows in whole tile pairs (rows past a block's queries are computed, not read)
   auto qk = [&](const uint32_t* A, const uint32_t* B, float* C, int64_t M, int64_t N) {
-    gemm_amx<false>(A, D2k, B, Lp, C, Kp, (M + 2 * TILE - 1) / (2 * TILE) * 2 * TILE, N, D2k);
+    gemm_amx<false>(A, D2k, B, Lp, C, Kp, key_padded(M), N, D2k);
   };
   auto pv = [&](const uint32_t* A, const uint32_t* B, float* C, int64_t M, int64_t K2, bool acc) {
-    const int64_t rows = (M + 2 * TILE - 1) / (2 * TILE) * 2 * TILE;
-    acc ? gemm_amx<true>(A, Kp / 2, B, Dp, C, Dp, rows, Dp, K2) : gemm_amx<false>(A, Kp / 2, B, Dp, C, Dp, rows, Dp, K2);
+    acc ? gemm_amx<true>(A, Kp / 2, B, Dp, C, Dp, key_padded(M), Dp, K2)
+        : gemm_amx<false>(A, Kp / 2, B, Dp, C, Dp, key_padded(M), Dp, K2);
   };
 #elif defined(PG_ATTENTION_DP)
   const int64_t D2k = D2;
@@ -469,11 +468,12 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
             // the exps in place, or as bf16 pairs along the keys for vdpbf16ps / tiles (hf mode on bf16 inputs)
             auto exps = [&] {
               if constexpr (DP_PV)
-                return exp_row<X, ROUND_P>(s, nk, nkp, scale, m_new, reinterpret_cast<uint16_t*>(Pp.data() + i * (Kp / 2)));
+                return exp_row<X, ROUND_P>(s, nk, nkp, scale, m_new,
+                                           reinterpret_cast<uint16_t*>(Pp.data() + i * (Kp / 2)));
               else
                 return exp_row<X, ROUND_P>(s, nk, nkp, scale, m_new, s);
             };
-            if (k0 == 0) {  // the first block: O and l are zero, nothing to rescale (a window of <= 64 keys)
+            if (k0 == 0) {  // the first block: l starts here and P V writes O, nothing to rescale
               l[i] = exps();
             } else {
               const float alpha = std::exp(m[i] - m_new);
