@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 
@@ -90,3 +92,34 @@ def check_writable(path, argument: str) -> Path:
     except OSError as e:
         raise PermissionError(f"{argument}: cannot write in {parent} ({e.strerror or type(e).__name__})") from None
     return target
+
+
+@contextlib.contextmanager
+def exclusive(folder: Path, what: str, wait_s: float):
+    """An exclusive OS lock on `folder` (its `.pypto_gym.lock`) for a one-time build two processes may start at
+    once (two test workers, two jobs on one cache): the second waits, saying so once, then finds the result. The
+    kernel frees the lock if its holder dies; past `wait_s` the waiter raises instead of waiting forever."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock (one process at a time is the user's to keep)
+        yield
+        return
+    with open(folder / ".pypto_gym.lock", "a+") as handle:
+        start, said = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not said:
+                    print(f"pypto-gym: another process is {what} in {folder}; waiting...", file=sys.stderr, flush=True)
+                    said = True
+                if time.monotonic() - start > wait_s:
+                    raise TimeoutError(f"{folder / '.pypto_gym.lock'} held for over {wait_s} s by another process "
+                                       f"({what})") from None
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -6,8 +6,11 @@ with the `lenient` fixture.
 
 The suite never touches the user's files (SPEC 12): it runs with a HOME of its own (so nothing lands
 in ~/.cache/pypto_gym, ~/.pypto, ~/ascend or any other dot-folder, in this process or the ones it
-starts) and a PYPTO_GYM_CACHE of its own, both in a folder made for the session and removed after it.
-The kernels are built into that cache once per session, at their first use. A developer who runs the
+starts), a PYPTO_GYM_CACHE and a torch.compile cache of its own, all in a folder made for the session
+and removed after it. The kernels are built into that cache once per session, at their first use.
+`pytest -n auto` (README's command) runs the tests in one worker per core (pytest-xdist): the workers
+share the session's folder and cache (a build another worker started is waited for, on its lock) and
+run torch on their share of the cores. A developer who runs the
 suite often can keep a cache of the suite's own between runs: PYPTO_GYM_TEST_CACHE=DIR (never the
 user's cache). A test that must damage a cache damages a copy (tests/test_cpu_build.py).
 """
@@ -17,11 +20,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
-SESSION_DIR = Path(tempfile.mkdtemp(prefix="pypto_gym-tests-"))
-atexit.register(shutil.rmtree, SESSION_DIR, ignore_errors=True)
-os.environ["HOME"] = str(SESSION_DIR / "home")
-(SESSION_DIR / "home").mkdir()
-os.environ["PYPTO_GYM_CACHE"] = os.environ.get("PYPTO_GYM_TEST_CACHE", "").strip() or str(SESSION_DIR / "cache")
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # pytest -n N: this process runs a share of the tests
+if XDIST_WORKER:  # the controller made the session's folder, HOME and cache; its workers inherit them
+    SESSION_DIR = Path(os.environ["PYPTO_GYM_TEST_SESSION"])
+else:
+    SESSION_DIR = Path(tempfile.mkdtemp(prefix="pypto_gym-tests-"))
+    atexit.register(shutil.rmtree, SESSION_DIR, ignore_errors=True)
+    os.environ["PYPTO_GYM_TEST_SESSION"] = str(SESSION_DIR)
+    os.environ["HOME"] = str(SESSION_DIR / "home")
+    (SESSION_DIR / "home").mkdir()
+    os.environ["PYPTO_GYM_CACHE"] = os.environ.get("PYPTO_GYM_TEST_CACHE", "").strip() or str(SESSION_DIR / "cache")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(SESSION_DIR / "torchinductor")  # not /tmp/torchinductor_$USER
 for _var in ("TILE_FWK_OUTPUT_DIR", "PYPTO_HOME", "ASCEND_PROCESS_LOG_PATH"):  # set by pypto-gym per process
     os.environ.pop(_var, None)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,6 +39,10 @@ os.environ.pop("USE_PTO_RMS_NORM", None)
 os.environ.pop("PYPTO_GYM_BACKEND", None)
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if XDIST_WORKER:  # N workers share the cores: torch's threads spinning on a busy core cost several times their work
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 import pypto_gym  # noqa: E402
 from pypto_gym.models.qwen2_5_vl import SAMPLE_IMAGE, TINY_DIR, load  # noqa: E402
@@ -73,6 +86,11 @@ def sample_inputs(tiny_loaded):
     return processor(["Read the text in the image."], [Image.open(SAMPLE_IMAGE).convert("RGB")], model=model)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`pytest -n auto`: one worker per core, at most 4 (each worker holds its own models; measured at 2)."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
 # ---- the kernel levels, built beside the first tests -------------------------------------------------------------
 _LEVEL_BUILDS: list = []
 
@@ -86,7 +104,8 @@ def pytest_collection_finish(session):
     import subprocess
     import sys
 
-    if not any(item.nodeid.startswith("tests/test_cpu_kernels.py") for item in session.items):
+    if XDIST_WORKER not in (None, "gw0") or not any(item.nodeid.startswith("tests/test_cpu_kernels.py")
+                                                    for item in session.items):
         return
     from pypto_gym import hardware
 

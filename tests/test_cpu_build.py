@@ -41,18 +41,23 @@ def test_a_stale_lock_from_a_killed_build_is_removed_not_waited_on(tmp_path):
 
 
 def test_the_suite_runs_in_a_home_and_a_cache_of_its_own():
-    """Nothing the tests run reads or writes the user's ~/.cache/pypto_gym or ~/.pypto (conftest.py)."""
+    """Nothing the tests run reads or writes the user's ~/.cache/pypto_gym, ~/.pypto or torch.compile's
+    /tmp/torchinductor_$USER (conftest.py), in any pytest -n worker."""
     from pathlib import Path
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache
 
     from conftest import SESSION_DIR
     from pypto_gym import config
 
-    assert Path.home() == SESSION_DIR / "home"
+    assert Path.home() == SESSION_DIR / "home" and Path(inductor_cache()) == SESSION_DIR / "torchinductor"
     cache = config.cache_dir()
     assert cache == SESSION_DIR / "cache" or os.environ.get("PYPTO_GYM_TEST_CACHE")
-    code = "from pathlib import Path; from pypto_gym import config; print(Path.home(), config.cache_dir())"
+    code = ("from pathlib import Path; from pypto_gym import config\n"
+            "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+            "print(Path.home(), config.cache_dir(), cache_dir())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.stdout.split() == [str(SESSION_DIR / "home"), str(cache)]  # and the processes tests start
+    assert proc.stdout.split() == [str(SESSION_DIR / "home"), str(cache), str(SESSION_DIR / "torchinductor")]
 
 
 def test_builds_are_keyed_by_instruction_set_and_refused_on_a_cpu_without_it(monkeypatch):

@@ -206,6 +206,32 @@ def test_default_cpu_backend_randomised(rows, D, dtype, scale, seed):
         assert c.passed, c.reason
 
 
+# Shapes whose rows, blocks or windows x heads split into several at::parallel_for chunks at these thread counts
+THREADED = [("rms_norm", {"R": (600,), "D": 200}), ("add_rms_norm_dynamic_quant", {"R": (600,), "D": 200}),
+            ("dynamic_quant", {"R": (600,), "D": 200}),
+            ("swiglu", {"R": (600,), "I": 200}), ("quant_matmul", {"R": (300,), "K": 64, "N": 200}),
+            ("rope", {"Q": (1, 4, 600), "K": (1, 2, 600), "C": (1, 600), "D": 64, "E": 64}),
+            ("varlen_attention", OPS["varlen_attention"].examples[1])]
+
+
+@pytest.mark.parametrize("op_name,example", THREADED, ids=[name for name, _ in THREADED])
+def test_the_bits_do_not_depend_on_the_thread_count(kernel, op_name, example):
+    """The suite may run with one torch thread per worker (pytest -n): each op's threaded split still meets one
+    thread's result, bit for bit, at 2, 3 and 4 threads (per-thread scratch, AMX tile state per chunk)."""
+    op = OPS[op_name]
+    args = op.example_args({**example, "dtype": torch.bfloat16})
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = run_on(kernel, op, args)
+        for n in (2, 3, 4):
+            torch.set_num_threads(n)
+            for got, ref in zip(*(o if isinstance(o, tuple) else (o,) for o in (run_on(kernel, op, args), want))):
+                assert torch.equal(got, ref), (op_name, n)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_default_build_is_the_best_level_this_cpu_runs():
     cpu = registry.get("cpu")
     assert cpu.unavailable_reason() is None and cpu.isa == hardware.best_isa()

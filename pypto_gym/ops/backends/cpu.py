@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ... import config, hardware
+from ... import config, files, hardware
 from ..registry import Backend, register
 
 CSRC = Path(__file__).with_name("csrc")
@@ -111,37 +111,14 @@ def _package_ninja():
 
 @contextlib.contextmanager
 def build_lock(folder: Path):
-    """An exclusive OS lock on the build folder (freed by the kernel if its holder dies)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: torch's own lock file is all there is
-        yield
-        return
-    with open(folder / ".pypto_gym.lock", "a+") as handle:
-        start, said = time.monotonic(), False
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not said:
-                    print(f"pypto-gym: another process is building the cpu kernels in {folder}; waiting...",
-                          file=sys.stderr, flush=True)
-                    said = True
-                if time.monotonic() - start > LOCK_WAIT_S:
-                    raise TimeoutError(f"cpu kernel build lock {folder / '.pypto_gym.lock'} held for over "
-                                       f"{LOCK_WAIT_S} s by another process") from None
-                time.sleep(0.5)
+    """The build folder's lock (files.exclusive), and a stale torch lock a killed build left removed."""
+    with files.exclusive(folder, "building the cpu kernels", LOCK_WAIT_S):
         stale = folder / "lock"  # torch's FileBaton: it waits forever on a file a killed build left
         if stale.exists():
             print(f"pypto-gym: removing {stale}, left by a build that was killed; building again",
                   file=sys.stderr, flush=True)
             stale.unlink(missing_ok=True)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield
 
 
 def _write_sources(folder: Path) -> Path:

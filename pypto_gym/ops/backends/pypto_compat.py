@@ -35,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ... import config, files
+
 SUPPORTED_VERSION = "0.2.0"
 AICORE_MHZ = 1800  # SIM models an Ascend 910B2; its swimlane is in cycles at 1.8 GHz
 _applied = False
@@ -98,8 +100,6 @@ def import_pypto():
 
 
 def cache_dir() -> Path:
-    from ... import config
-
     return config.cache_dir() / f"pypto-{installed_version()}"
 
 
@@ -137,12 +137,18 @@ def _calculator_library() -> Path:
 
 
 def build_calculator(progress=True) -> Path:
-    """Build PyPTO's calculator library once per machine (cmake + g++), cached by version."""
-    from pypto._utils import BuildOnlineManager
-
+    """Build PyPTO's calculator library once per machine (cmake + g++), cached by version; a second process
+    asking at the same time waits for the first build instead of racing it."""
     lib = _calculator_library()
     if lib.exists():
         return lib
+    with files.exclusive(cache_dir(), "building PyPTO's CPU calculator", 1800):
+        return lib if lib.exists() else _build_calculator(lib, progress)
+
+
+def _build_calculator(lib: Path, progress: bool) -> Path:
+    from pypto._utils import BuildOnlineManager
+
     if progress:
         print("pypto-gym: building PyPTO's CPU calculator (once per machine: 20 s to 4 min on two cores)...",
               file=sys.stderr, flush=True)
