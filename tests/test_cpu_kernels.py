@@ -206,6 +206,17 @@ def test_default_cpu_backend_randomised(rows, D, dtype, scale, seed):
         assert c.passed, c.reason
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cast_mode", ["hf", "fp32"])
+def test_varlen_attention_steps_through_long_windows(kernel, dtype, cast_mode):
+    """A full-attention window is longer than one online-softmax step (256 keys): 700 keys are three steps, the
+    running max and sum rescaled between them; 300 two, the second one partly padded; 64 one step."""
+    op = OPS["varlen_attention"]
+    args = op.example_args({"T": 1064, "H": 2, "D": 80, "cu_seqlens": [0, 700, 764, 1064], "scale": 80 ** -0.5,
+                            "dtype": dtype, "cast_mode": cast_mode})
+    assert_close(run_on(kernel, op, args), op.golden(*args), op.outputs)
+
+
 # Shapes whose rows, blocks or windows x heads split into several at::parallel_for chunks at these thread counts
 THREADED = [("rms_norm", {"R": (600,), "D": 200}), ("add_rms_norm_dynamic_quant", {"R": (600,), "D": 200}),
             ("dynamic_quant", {"R": (600,), "D": 200}),
