@@ -96,7 +96,7 @@ def test_infer_backend_flag_is_normalised(capsys, monkeypatch):
 
 def test_a_sites_glob_that_matches_nothing_is_an_error(capsys):
     rc, stdout, err, _ = run_cli(capsys, "infer", "--use_pto", "--sites", "txet.*", "--max-new-tokens", "1")
-    one_line_error(rc, err, "--sites: 'txet.*' matched none of the 42 sites", "text.input_layernorm", "text.mlp")
+    one_line_error(rc, err, "--sites: 'txet.*' matched none of the 43 sites", "text.input_layernorm", "text.mlp")
     assert "generated:" not in stdout
 
 

@@ -206,7 +206,8 @@ def test_accelerate_cpu_and_disk_offload_runs_patched(tmp_path, sample_inputs):
                                           "swiglu": {"candidates": 8, "patched": 8},
                                           "rope": {"candidates": 8, "patched": 8},
                                           "varlen_attention": {"candidates": 4, "patched": 4},
-                                          "decoder_attention": {"candidates": 4, "patched": 4}}
+                                          "decoder_attention": {"candidates": 4, "patched": 4},
+                                          "patch_embed": {"candidates": 1, "patched": 1}}
     got = logits(model, sample_inputs)
     assert compare(got, expected).cosine >= 0.9999
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
@@ -304,7 +305,7 @@ def test_deepcopy_of_a_patched_model_is_independent(model32, sample_inputs):
 
 
 def test_a_sites_selection_matching_nothing_is_refused_and_patches_nothing(model32):
-    with pytest.raises(pypto_gym.NoSitesError, match=r"sites: 'nomatch\*' matched none of the 42 sites"):
+    with pytest.raises(pypto_gym.NoSitesError, match=r"sites: 'nomatch\*' matched none of the 43 sites"):
         pypto_gym.patch_model(model32, backend="torch", sites=["nomatch*"])
     assert pypto_gym.patch_report(model32) is None and not any("forward" in m.__dict__ for m in model32.modules())
 

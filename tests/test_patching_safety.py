@@ -106,7 +106,7 @@ def test_patching_an_inner_then_the_outer_model_is_refused(model32, sample_input
 
 def test_patching_the_outer_then_an_inner_model_is_refused(model32):
     pypto_gym.patch_model(model32, backend="torch")
-    with pytest.raises(pypto_gym.PatchError, match="already patched as 'model.visual.blocks.0.norm1'"):
+    with pytest.raises(pypto_gym.PatchError, match="already patched as 'model.visual.patch_embed'"):
         pypto_gym.patch_model(model32.model.visual, backend="torch")
 
 

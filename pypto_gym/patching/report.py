@@ -10,7 +10,8 @@ from collections import Counter
 
 
 SITE_NAMES = {"rms_norm": "norm", "swiglu": "mlp", "rope": "rope", "qk_norm_rope": "qk-norm+rope",
-              "varlen_attention": "vision attention", "decoder_attention": "text attention"}  # how the summary line names an op's sites
+              "varlen_attention": "vision attention", "decoder_attention": "text attention",
+              "patch_embed": "patch embedding"}  # how the summary line names an op's sites
 
 
 class PatchReport:
