@@ -296,3 +296,26 @@ def test_a_rotary_function_monkeypatched_after_one_patch_is_the_one_the_next_pat
         second(ids)
     assert all(r["calls"] > 0 and not r["fusion_bypassed"] for r in pypto_gym.patch_report(second).to_json()["sites"]
                if "rope" in r["kind"])
+
+
+def _my_rotary(q, k, cos, sin, unsqueeze_dim=1):
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    half = q.shape[-1] // 2
+    rot = lambda x: torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # noqa: E731
+    return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+
+def test_a_rotary_function_the_kernels_hub_wrapped_is_probed_and_named_as_itself():
+    """transformers >= 5.25 depends on `kernels`, whose `use_kernel_forward_from_hub` turns apply_rotary_pos_emb
+    into a `Func` module calling it: the rule takes the module (what the attention calls), with the function's
+    signature and name."""
+    import inspect
+
+    from pypto_gym.patching.rope import function_name, plain_function, probe
+
+    kernels = pytest.importorskip("kernels")
+    wrapped = kernels.use_kernel_forward_from_hub("rotary_pos_emb")(_my_rotary)
+    assert isinstance(wrapped, torch.nn.Module) and not hasattr(wrapped, "__name__")
+    assert plain_function(wrapped) is _my_rotary and function_name(wrapped) == "_my_rotary"
+    form, why = probe(wrapped, 16)
+    assert why == "" and form.fn is wrapped and form.signature == inspect.signature(_my_rotary)

@@ -50,7 +50,7 @@ class Form:
 
     def __init__(self, fn, unsqueeze_dim: int, cast_mode: str, cast_back: bool = False):
         self.fn, self.unsqueeze_dim, self.cast_mode, self.cast_back = fn, unsqueeze_dim, cast_mode, cast_back
-        self.signature = inspect.signature(fn)
+        self.signature = inspect.signature(plain_function(fn))
         names = list(self.signature.parameters)
         self.mrope = "mrope_section" in names
         self.positional = 5 if self.mrope else 4  # HF's own calls: q, k, cos, sin (, mrope_section)
@@ -116,14 +116,30 @@ def _form_result(fn, mrope, vision, unsqueeze_dim, cast_mode, cast_back, D):
     return True, closest
 
 
+def plain_function(fn):
+    """The function a kernels-hub wrapper calls, else fn. With the `kernels` package installed (a dependency of
+    transformers >= 5.25), `@use_kernel_forward_from_hub("rotary_pos_emb")` turns `apply_rotary_pos_emb` into an
+    instance of a `Func` nn.Module whose forward calls the function (or a hub kernel once `kernelize`d): the
+    module is what the attention calls, and probed as such; its signature and name are the function's."""
+    forward = getattr(type(fn), "forward", None)
+    code = getattr(forward, "__code__", None)
+    if isinstance(fn, torch.nn.Module) and code is not None and "func" in code.co_freevars and forward.__closure__:
+        return forward.__closure__[code.co_freevars.index("func")].cell_contents
+    return fn
+
+
+def function_name(fn) -> str:
+    return getattr(plain_function(fn), "__name__", type(fn).__name__)
+
+
 def probe(fn, D: int):
     """(Form, "") for the first form in which `fn` gives exactly the golden's result, else (None, why not)."""
     if fn in _forms:
         return _forms[fn]
     try:
-        params = inspect.signature(fn).parameters
+        params = inspect.signature(plain_function(fn)).parameters
     except (TypeError, ValueError):
-        return None, f"{getattr(fn, '__name__', fn)}: no signature"
+        return None, f"{function_name(fn)}: no signature"
     mrope = "mrope_section" in params
     default_u = params["unsqueeze_dim"].default if "unsqueeze_dim" in params else 1
     closest = float("inf")
@@ -141,7 +157,7 @@ def probe(fn, D: int):
         if result[0] is not None:
             break
     if result[0] is None:
-        result = None, (f"probe: {fn.__name__} is not a rotate-half rotation of q and k in any form the op has "
+        result = None, (f"probe: {function_name(fn)} is not a rotate-half rotation of q and k in any form the op has "
                         f"(closest max abs diff {closest:.3g})")
     _forms[fn] = result
     return result
@@ -325,13 +341,13 @@ class RopeSite(RewrittenForward, Site):
         w = getattr(q_proj, "weight", None)
         return {"D": getattr(self.module, "head_dim", None), "dtype": None if w is None else dtype_name(w.dtype),
                 "device": None if w is None else str(w.device), "fusion_bypassed": dict(self.bypassed),
-                "rotary": {"function": self.form.fn.__name__, "cast_mode": self.call.constants["cast_mode"],
+                "rotary": {"function": function_name(self.form.fn), "cast_mode": self.call.constants["cast_mode"],
                            "rejected": self.rejected}}
 
     def apply(self, fn, args, kwargs):
         """One rotary call of the rewritten forward: the fused op where it takes the call, else `fn` itself."""
         if fn is not self.form.fn:
-            self.bypass(f"{getattr(fn, '__name__', 'the rotary function')} was replaced after patching")
+            self.bypass(f"{function_name(fn)} was replaced after patching")
             return self._unfused(fn, args, kwargs)
         mapped = self.form.op_args(args, kwargs)
         if mapped is None:
