@@ -40,7 +40,10 @@ def test_tensor_parallel_logits_unchanged_by_patching(kind, backend, qwen3_dir, 
         assert r["world"] == 2 and r["sharded"]  # really tensor-parallel
         assert r["patched"] == r["candidates"] > 0 and not r["fallbacks"]
         assert set(r["ran_on"]) == {backend}
-        assert r["rope_calls"] and all(n > 0 for n in r["rope_calls"])  # text only: each rank rotates its heads
+        # text only: each rank rotates its heads in the op, or (Qwen3 on transformers >= 5.25, whose TP plan hooks
+        # q_norm/k_norm: "replicated_with_grad_allreduce") its fused q/k-norm + rope declines, counted, and HF's runs
+        assert r["rope_calls"] and all(n > 0 or (kind == "qwen3" and b == {"q_norm/k_norm has hooks": 1})
+                                       for n, b in zip(r["rope_calls"], r["rope_bypassed"])), r
         if backend == "torch":
             assert r["equal"]
         else:

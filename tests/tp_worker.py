@@ -29,6 +29,8 @@ def main(kind: str, path: str, backend: str, out_dir: str) -> None:
            "patched": report["summary"]["patched"], "candidates": report["summary"]["candidates"],
            "ran_on": report["summary"]["ran_on"], "fallbacks": report["summary"]["fallbacks"],
            "rope_calls": [r["calls"] for r in report["sites"] if r["kind"] in ("text.rope", "text.qk_norm_rope")],
+           "rope_bypassed": [r["fusion_bypassed"] for r in report["sites"]
+                             if r["kind"] in ("text.rope", "text.qk_norm_rope")],
            "equal": torch.equal(before, after), "max_diff": float((before - after).abs().max())}
     with open(f"{out_dir}/rank{row['rank']}.json", "w") as f:
         json.dump(row, f)
