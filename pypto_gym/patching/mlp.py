@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 from .. import config
 from ..ops import OPS, dtype_name
-from .site import Candidate, Rule, Site, has_hooks, part, register, torch_hooks_set_aside
+from .site import (GEMM_PROBE_TOL, Candidate, Rule, Site, gemm_probe_diff, has_hooks, part, probe_failed,
+                   register, torch_hooks_set_aside)
 
 SWIGLU = OPS["swiglu"]
 _STATE = config.STATE
-_PROBE_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
 def _linear(module, name):
@@ -80,7 +80,7 @@ def _probe(module) -> str:
     w = module.gate_proj.weight
     hook = getattr(module.gate_proj, "_hf_hook", None)
     device = getattr(hook, "execution_device", None) or w.device
-    dtype = w.dtype if w.dtype in _PROBE_TOL else torch.float32
+    dtype = w.dtype if w.dtype in GEMM_PROBE_TOL else torch.float32
     gen = torch.Generator(device="cpu").manual_seed(0)
     H = module.gate_proj.in_features if hasattr(module.gate_proj, "in_features") else w.shape[-1]
     x = torch.randn(4, H, generator=gen).to(device=device, dtype=dtype)
@@ -94,12 +94,12 @@ def _probe(module) -> str:
             want = module.down_proj(F.silu(gate) * up)
             others = [(name, module.down_proj(act(gate) * up)) for name, act in _LOOKALIKES]
     except Exception as e:  # noqa: BLE001 - a module that cannot run on [4, H] is not an MLP site
-        return f"probe failed ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+        return probe_failed(e)
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
         return "probe: output is not a tensor of down_proj's output shape"
     act = type(getattr(module, "act_fn", None)).__name__
-    diff = float((got.float() - want.float()).abs().max())
-    if not diff <= _PROBE_TOL[dtype] * (float(want.float().abs().max()) or 1.0):
+    ok, diff = gemm_probe_diff(got, want, dtype)
+    if not ok:
         return f"probe: act_fn ({act}) is not SiLU: output differs from down_proj(silu(gate) * up) (max abs diff " \
                f"{diff:.3g})"
     for name, other in others:

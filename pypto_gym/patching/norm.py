@@ -19,7 +19,7 @@ import torch
 
 from .. import config
 from ..ops import OPS, dtype_name
-from .site import Candidate, Rule, Site, has_hooks, part, register, site_of
+from .site import Candidate, Rule, Site, has_hooks, part, probe_failed, register, site_of
 
 TEXT_KINDS = {"input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"}
 _PROBE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -75,7 +75,7 @@ def _probe(module, weight: torch.Tensor, eps: float) -> tuple[str, str]:
                 finally:
                     hook.post_forward(module, x)
     except Exception as e:  # noqa: BLE001 - a module that cannot run on [2, D] is not an RMSNorm site
-        return f"probe failed ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})", ""
+        return probe_failed(e), ""
     if not isinstance(y, torch.Tensor) or y.shape != expected.shape:
         return "probe: output is not a tensor of the input's shape", ""
     if not torch.equal(y, expected) and y.dtype == x.dtype:

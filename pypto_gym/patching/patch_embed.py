@@ -17,11 +17,11 @@ import torch
 
 from .. import config
 from ..ops import OPS, dtype_name, registry
-from .site import Candidate, Rule, Site, has_hooks, part, register, torch_hooks_set_aside
+from .site import (GEMM_PROBE_TOL, Candidate, Rule, Site, gemm_probe_diff, has_hooks, part, probe_failed,
+                   register, torch_hooks_set_aside)
 
 PATCH_EMBED = OPS["patch_embed"]
 _STATE = config.STATE
-_PROBE_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
 def _patch_conv(module) -> torch.nn.Conv3d | None:
@@ -73,18 +73,18 @@ PatchEmbedSite.FORWARD = patch_embed_forward
 def _probe(module, conv) -> str:
     """'' if the module's forward is the conv over its input's rows viewed as patches, else why not."""
     w = conv.weight
-    dtype = w.dtype if w.dtype in _PROBE_TOL else torch.float32
+    dtype = w.dtype if w.dtype in GEMM_PROBE_TOL else torch.float32
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(4, math.prod(w.shape[1:]), generator=gen).to(device=w.device, dtype=dtype)
     try:
         with torch.no_grad(), torch_hooks_set_aside(module):  # a probe is not a call anyone's hooks should see
             got, want = module.forward(x), PATCH_EMBED.golden(x, w, conv.bias)
     except Exception as e:  # noqa: BLE001 - a module that cannot embed [4, K] rows is not this site
-        return f"probe failed ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+        return probe_failed(e)
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
         return "probe: output is not one row per patch of proj's channels"
-    diff = float((got.float() - want.float()).abs().max())
-    if not diff <= _PROBE_TOL[dtype] * (float(want.float().abs().max()) or 1.0):
+    ok, diff = gemm_probe_diff(got, want, dtype)
+    if not ok:
         return f"probe: forward is not proj's conv over its rows viewed as patches (max abs diff {diff:.3g})"
     return ""
 

@@ -179,6 +179,21 @@ def selected(cand: Candidate, patterns) -> bool:
     return not include or any(fnmatch.fnmatchcase(n, p) for n in names for p in include)
 
 
+# a probe through the module's GEMMs (MLP, patch embedding): its sums and the formula's may round apart
+GEMM_PROBE_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def gemm_probe_diff(got: torch.Tensor, want: torch.Tensor, dtype) -> tuple[bool, float]:
+    """(within GEMM_PROBE_TOL of want's largest value, the max abs difference) for a probe's two results."""
+    diff = float((got.float() - want.float()).abs().max())
+    return diff <= GEMM_PROBE_TOL[dtype] * (float(want.float().abs().max()) or 1.0), diff
+
+
+def probe_failed(e: Exception) -> str:
+    """The reason a probe that raised gives: the exception's type and first line."""
+    return f"probe failed ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+
+
 def has_hooks(module: torch.nn.Module) -> bool:
     """True when calling the module's forward directly would skip a torch hook someone registered."""
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
