@@ -20,7 +20,7 @@ import torch
 
 from ..ops import OPS, ArgTypeError, ArgValueError, dtype_name
 from .rope import ROPES, RopeSite, window_attention_statement
-from .site import Candidate, Rule, Site, part, register, selected, site_of
+from .site import Candidate, Rule, Site, register, selected, site_of
 
 VARLEN_ATTENTION = OPS["varlen_attention"]
 _has_window_loop: dict = {}  # class -> bool
@@ -95,10 +95,8 @@ class AttentionSite(Site):
 
 
 class AttentionRule(Rule):
-    name, op = "attention", "varlen_attention"
-
-    def kind_of(self, path, module):
-        return f"{part(path)}.attention"
+    name, op, kind_suffix = "attention", "varlen_attention", "attention"
+    site_class = AttentionSite
 
     def classify(self, path, module, options=None):
         if not has_window_attention(type(module)):
@@ -112,14 +110,6 @@ class AttentionRule(Rule):
         else:
             cand.reason = RopeSite.rewrite(type(module), fused=False, attention=True)[2]
         return cand
-
-    def install(self, cand, options):
-        site = AttentionSite(cand, options)
-        site.install()
-        return site
-
-    def skipped_details(self, cand):
-        return {"D": getattr(cand.module, "head_dim", None)}
 
 
 ATTENTIONS = register(AttentionRule())

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import config
-from ..ops import OPS, dtype_name
-from .site import (GEMM_PROBE_TOL, Candidate, Rule, Site, gemm_probe_diff, has_hooks, part, probe_failed,
-                   register, torch_hooks_set_aside)
+from ..ops import OPS
+from .site import (GEMM_PROBE_TOL, Candidate, Rule, Site, gemm_probe_diff, has_hooks, probe_failed, register,
+                   torch_hooks_set_aside, weight_details)
 
 SWIGLU = OPS["swiglu"]
 _STATE = config.STATE
@@ -44,9 +44,8 @@ class MlpSite(Site):
         self.quant = None  # W8A8 (pypto_gym.quant): int8 gate/up in, int8 rows out to an int8 down_proj
 
     def details(self) -> dict:
-        w = self.module.gate_proj.weight
-        return {"D": int(w.shape[0]), "dtype": dtype_name(w.dtype), "device": str(w.device),
-                "fusion_bypassed": dict(self.bypassed), "quant": None if self.quant is None else self.quant.row()}
+        return {**weight_details(self.module.gate_proj.weight), "fusion_bypassed": dict(self.bypassed),
+                "quant": None if self.quant is None else self.quant.row()}
 
 
 def mlp_forward(module, x):
@@ -109,10 +108,8 @@ def _probe(module) -> str:
 
 
 class MlpRule(Rule):
-    name, op = "mlp", "swiglu"
-
-    def kind_of(self, path, module):
-        return f"{part(path)}.mlp"
+    name, op, kind_suffix = "mlp", "swiglu", "mlp"
+    site_class = MlpSite
 
     def classify(self, path, module, options=None):
         gated = all(_linear(module, n) is not None for n in ("gate_proj", "up_proj", "down_proj"))
@@ -132,14 +129,8 @@ class MlpRule(Rule):
             cand.reason = _probe(module)
         return cand
 
-    def install(self, cand, options):
-        site = MlpSite(cand, options)
-        site.install()
-        return site
-
     def skipped_details(self, cand):
-        w = (_linear(cand.module, "gate_proj") or _linear(cand.module, "fc1")).weight
-        return {"D": int(w.shape[0]), "dtype": dtype_name(w.dtype), "device": str(w.device)}
+        return weight_details((_linear(cand.module, "gate_proj") or _linear(cand.module, "fc1")).weight)
 
 
 MLPS = register(MlpRule())

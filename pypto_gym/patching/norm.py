@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from .. import config
-from ..ops import OPS, dtype_name
-from .site import Candidate, Rule, Site, has_hooks, part, probe_failed, register, site_of
+from ..ops import OPS
+from .site import Candidate, Rule, Site, has_hooks, part, probe_failed, register, site_of, weight_details
 
 TEXT_KINDS = {"input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"}
 _PROBE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -112,9 +112,8 @@ class NormSite(Site):
         self.weight_fold = None
 
     def details(self) -> dict:
-        w = self.module.weight
-        return {"D": int(w.shape[0]), "eps": self.eps, "dtype": dtype_name(w.dtype), "device": str(w.device),
-                "cast_mode": self.cast_mode, "fused_residual": self.fused, "fused_into": self.fused_into, "fusion_bypassed": dict(self.bypassed),
+        return {**weight_details(self.module.weight), "eps": self.eps, "cast_mode": self.cast_mode,
+                "fused_residual": self.fused, "fused_into": self.fused_into, "fusion_bypassed": dict(self.bypassed),
                 "quant": None if self.quant is None else self.quant.row()}
 
 
@@ -161,6 +160,7 @@ def add_norm(norm: torch.nn.Module, hidden, residual):
 
 class NormRule(Rule):
     name, op = "norm", "rms_norm"
+    site_class = NormSite
 
     def kind_of(self, path, module):
         return norm_kind(path)
@@ -181,14 +181,8 @@ class NormRule(Rule):
             cand.reason, cand.info["cast_mode"] = _probe(module, weight, eps)
         return cand
 
-    def install(self, cand, options):
-        site = NormSite(cand, options)
-        site.install()
-        return site
-
     def skipped_details(self, cand):
-        w = cand.module.weight
-        return {"D": int(w.shape[0]), "eps": cand.info["eps"], "dtype": dtype_name(w.dtype), "device": str(w.device)}
+        return {**weight_details(cand.module.weight), "eps": cand.info["eps"]}
 
 
 NORMS = register(NormRule())

@@ -16,9 +16,9 @@ import math
 import torch
 
 from .. import config
-from ..ops import OPS, dtype_name, registry
-from .site import (GEMM_PROBE_TOL, Candidate, Rule, Site, gemm_probe_diff, has_hooks, part, probe_failed,
-                   register, torch_hooks_set_aside)
+from ..ops import OPS, registry
+from .site import (GEMM_PROBE_TOL, Candidate, Rule, Site, gemm_probe_diff, has_hooks, probe_failed, register,
+                   torch_hooks_set_aside, weight_details)
 
 PATCH_EMBED = OPS["patch_embed"]
 _STATE = config.STATE
@@ -45,9 +45,7 @@ class PatchEmbedSite(Site):
         self.bypassed: dict[str, int] = {}
 
     def details(self) -> dict:
-        w = self.module.proj.weight
-        return {"D": int(w.shape[0]), "dtype": dtype_name(w.dtype), "device": str(w.device),
-                "fusion_bypassed": dict(self.bypassed)}
+        return {**weight_details(self.module.proj.weight), "fusion_bypassed": dict(self.bypassed)}
 
 
 def patch_embed_forward(module, hidden_states):
@@ -90,10 +88,8 @@ def _probe(module, conv) -> str:
 
 
 class PatchEmbedRule(Rule):
-    name, op = "patch_embed", "patch_embed"
-
-    def kind_of(self, path, module):
-        return f"{part(path)}.patch_embed"
+    name, op, kind_suffix = "patch_embed", "patch_embed", "patch_embed"
+    site_class = PatchEmbedSite
 
     def classify(self, path, module, options=None):
         conv = _patch_conv(module)
@@ -109,14 +105,8 @@ class PatchEmbedRule(Rule):
             cand.reason = _probe(module, conv)
         return cand
 
-    def install(self, cand, options):
-        site = PatchEmbedSite(cand, options)
-        site.install()
-        return site
-
     def skipped_details(self, cand):
-        w = cand.module.proj.weight
-        return {"D": int(w.shape[0]), "dtype": dtype_name(w.dtype), "device": str(w.device)}
+        return weight_details(cand.module.proj.weight)
 
 
 PATCH_EMBEDS = register(PatchEmbedRule())

@@ -403,6 +403,7 @@ RopeSite.FORWARD = rope_forward
 
 class RopeRule(Rule):
     name, op = "rope", "rope"
+    site_class = RopeSite
 
     def kind_of(self, path, module):
         if part(path) == "text" and all(hasattr(module, n) for n in _NORMS):
@@ -428,12 +429,7 @@ class RopeRule(Rule):
             if all(s is not None and s.cast_mode == options.cast_mode for s in sites) \
                     and RopeSite.rewrite(type(cand.module), fused=True)[0] is not None:
                 cand.info["norms"] = sites
-        site = RopeSite(cand, options)
-        site.install()
-        return site
-
-    def skipped_details(self, cand):
-        return {"D": getattr(cand.module, "head_dim", None)}
+        return super().install(cand, options)
 
 
 ROPES = register(RopeRule())

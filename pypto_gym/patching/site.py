@@ -124,6 +124,8 @@ class Rule:
 
     name = ""
     op = ""
+    site_class: type[Site]  # what install() puts on a candidate
+    kind_suffix = ""  # a candidate's kind: "<part>.<kind_suffix>" (vision. or text.), unless kind_of says more
 
     def candidates(self, model: torch.nn.Module, options) -> list[Candidate]:
         """Every module shaped like this rule's kind, once, with every path it is reachable by."""
@@ -144,13 +146,22 @@ class Rule:
         raise NotImplementedError
 
     def kind_of(self, path: str, module) -> str:
-        raise NotImplementedError
+        return f"{part(path)}.{self.kind_suffix}"
 
     def install(self, cand: Candidate, options) -> Site:
-        raise NotImplementedError
+        site = self.site_class(cand, options)
+        site.install()
+        return site
 
     def skipped_details(self, cand: Candidate) -> dict:
-        return {}
+        """A skipped candidate's columns in the report: its width D (a head's, for the attention and rope rules;
+        the weight rules say theirs with weight_details)."""
+        return {"D": getattr(cand.module, "head_dim", None)}
+
+
+def weight_details(weight: torch.Tensor) -> dict:
+    """A skipped weight-bearing candidate's report columns: its output width, dtype and device."""
+    return {"D": int(weight.shape[0]), "dtype": dtype_name(weight.dtype), "device": str(weight.device)}
 
 
 RULES: list[Rule] = []  # module-level site rules, in the order they are applied

@@ -173,10 +173,8 @@ class DecoderAttentionSite(Site):
 
 
 class DecoderAttentionRule(Rule):
-    name, op = "text_attention", "decoder_attention"
-
-    def kind_of(self, path, module):
-        return f"{part(path)}.attention"
+    name, op, kind_suffix = "text_attention", "decoder_attention", "attention"
+    site_class = DecoderAttentionSite
 
     def classify(self, path, module, options=None):
         cfg = getattr(module, "config", None)
@@ -188,14 +186,6 @@ class DecoderAttentionRule(Rule):
         if impl not in ("sdpa", IMPLEMENTATION):
             cand.reason = f"attention implementation {impl!r} configured: this site replaces transformers' sdpa only"
         return cand
-
-    def install(self, cand, options):
-        site = DecoderAttentionSite(cand, options)
-        site.install()
-        return site
-
-    def skipped_details(self, cand):
-        return {"D": getattr(cand.module, "head_dim", None)}
 
 
 TEXT_ATTENTIONS = register(DecoderAttentionRule())
