@@ -2,7 +2,8 @@
 
 patch_model applies every site rule (site.RULES: norms, and the rules registered after them) to the
 model: each rule's candidates are classified (structure + probe), selected by `sites=`, and the
-selected ones become sites; then layer rewrites (residual.py) fuse what spans several modules, and a
+selected ones become sites (on the cpu backend with their bf16 linears' bias added in the GEMM's epilogue,
+gemm.py); then layer rewrites (residual.py) fuse what spans several modules, and a
 quantisation mode (registered by pypto_gym.quant) turns linears into int8 linears. Everything is
 recorded in a PatchState kept on the model, which unpatch_model undoes exactly.
 """
@@ -15,7 +16,7 @@ import torch
 
 from .. import config
 from ..ops import registry
-from . import residual
+from . import gemm, residual
 from .options import QUANT_MODES, PatchConfig
 from .report import PatchReport
 from .site import RULES, Site, execution_device, selected, site_of
@@ -147,6 +148,7 @@ def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, 
             else:
                 site = cand.rule.install(cand, options)
                 site.rule = cand.rule.name
+                site.linears = gemm.install(site, cand.rule.linears, options)
                 state.entries.append(site)
         _say_unavailable(state)
         if quant is not None:
@@ -167,6 +169,8 @@ def _undo(state: PatchState) -> None:
         layer.uninstall()
     for site in state.sites:
         site.uninstall()
+        for linear in site.linears:
+            linear.uninstall()
 
 
 def unpatch_model(model: torch.nn.Module) -> None:

@@ -96,6 +96,7 @@ class AttentionSite(Site):
 
 class AttentionRule(Rule):
     name, op, kind_suffix = "attention", "varlen_attention", "attention"
+    linears = ("qkv", "proj")
     site_class = AttentionSite
 
     def classify(self, path, module, options=None):

@@ -109,6 +109,7 @@ def _probe(module) -> str:
 
 class MlpRule(Rule):
     name, op, kind_suffix = "mlp", "swiglu", "mlp"
+    linears = ("gate_proj", "up_proj", "down_proj")
     site_class = MlpSite
 
     def classify(self, path, module, options=None):

@@ -70,6 +70,7 @@ class Site(SwappedForward):
         super().__init__(module)
         self.paths, self.kind, self.requested_backend = list(paths), kind, backend
         self.stats = Stats(site=kind, strict=strict)
+        self.linears: list = []  # its linears whose bias the GEMM's epilogue adds (gemm.py), set by patch_model
 
     @property
     def path(self) -> str:
@@ -83,7 +84,8 @@ class Site(SwappedForward):
         stats = self.stats
         return {**_row(self.path, self.paths, self.kind, self.op, "patched", ""), **self.details(),
                 "backend": stats.backend or self.requested_backend, "requested_backend": self.requested_backend,
-                "calls": stats.calls, "ran_on": dict(stats.ran), "fallbacks": dict(stats.fallbacks)}
+                "calls": stats.calls, "ran_on": dict(stats.ran), "fallbacks": dict(stats.fallbacks),
+                "bias_epilogue": {linear.name: linear.calls for linear in self.linears}}
 
 
 def _row(path, paths, kind, op, status, reason) -> dict:
@@ -91,7 +93,7 @@ def _row(path, paths, kind, op, status, reason) -> dict:
             "backend": None, "requested_backend": None, "D": None, "eps": None, "dtype": None, "device": None,
             "cast_mode": None,
             "fused_residual": False, "fused_into": None, "fusion_bypassed": {}, "quant": None, "rotary": None,
-            "calls": 0, "ran_on": {}, "fallbacks": {}}
+            "calls": 0, "ran_on": {}, "fallbacks": {}, "bias_epilogue": {}}
 
 
 @dataclass
@@ -125,6 +127,7 @@ class Rule:
     name = ""
     op = ""
     site_class: type[Site]  # what install() puts on a candidate
+    linears: tuple = ()  # the module's children whose bias the cpu backend adds in the GEMM's epilogue (gemm.py)
     kind_suffix = ""  # a candidate's kind: "<part>.<kind_suffix>" (vision. or text.), unless kind_of says more
 
     def candidates(self, model: torch.nn.Module, options) -> list[Candidate]:

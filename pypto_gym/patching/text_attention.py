@@ -174,6 +174,7 @@ class DecoderAttentionSite(Site):
 
 class DecoderAttentionRule(Rule):
     name, op, kind_suffix = "text_attention", "decoder_attention", "attention"
+    linears = ("q_proj", "k_proj", "v_proj", "o_proj")
     site_class = DecoderAttentionSite
 
     def classify(self, path, module, options=None):
