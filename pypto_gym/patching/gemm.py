@@ -50,13 +50,17 @@ def epilogue_linear_forward(module, x):
 EpilogueLinear.FORWARD = epilogue_linear_forward
 
 
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls on this CPU (AVX-512 BF16 or AMX; not on AVX2-only CPUs)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def eligible(module) -> bool:
     """A plain nn.Linear with a bf16 bias and weight on CPU, no hooks, where oneDNN's bf16 matmul runs."""
     return (type(module) is torch.nn.Linear and module.bias is not None and module.weight.dtype == torch.bfloat16
             and module.bias.dtype == torch.bfloat16 and module.weight.device.type == "cpu"
             and getattr(module, "_hf_hook", None) is None and not has_hooks(module)
-            and EpilogueLinear.SLOT not in module.__dict__ and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and EpilogueLinear.SLOT not in module.__dict__ and onednn_bf16())
 
 
 def install(site: Site, names: tuple, options) -> list[EpilogueLinear]:
