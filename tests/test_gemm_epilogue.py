@@ -66,6 +66,10 @@ def test_a_patched_vision_tower_is_bit_equal_with_and_without_the_epilogue(tiny_
         assert set(rows[f"model.visual.blocks.{i}.mlp"]) == {"gate_proj", "up_proj", "down_proj"}
         assert set(rows[f"model.visual.blocks.{i}.attn"]) == {"qkv", "proj"}
         assert all(n >= 1 for kind in ("mlp", "attn") for n in rows[f"model.visual.blocks.{i}.{kind}"].values())
+    text_layers = model.config.text_config.num_hidden_layers  # Qwen2's q/k/v have a bias, o_proj none
+    assert report.to_json()["summary"]["bias_epilogue_linears"] == 5 * blocks + 3 * text_layers
+    assert "bias in the GEMM epilogue: gate_proj, up_proj, down_proj" in str(report)
+    assert "bias in the GEMM epilogue: qkv, proj" in str(report)
     monkeypatch.setattr(gemm, "eligible", lambda module: False)
     twin_report = pypto_gym.patch_model(twin, backend="cpu")
     assert not any(r["bias_epilogue"] for r in twin_report.to_json()["sites"])

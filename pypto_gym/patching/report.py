@@ -42,6 +42,7 @@ class PatchReport:
                         "fused_layers": len(layers), "calls": sum(r["calls"] for r in patched),
                         "ran_on": dict(ran), "fallbacks": dict(fallbacks),
                         "fusion_bypassed": sum(sum(r["fusion_bypassed"].values()) for r in patched),
+                        "bias_epilogue_linears": sum(len(r["bias_epilogue"]) for r in patched),
                         "backend_unavailable": dict(st.unavailable)},
             "sites": sites,
             "fused_layers": [{"path": layer.path, "norms": layer.fused} for layer in layers],
@@ -71,6 +72,8 @@ class PatchReport:
                 notes.append(f"fusion bypassed x{n} ({why})")
             if r.get("fused_into"):
                 notes.append(f"fused into {r['fused_into']}")
+            if r.get("bias_epilogue"):
+                notes.append(f"bias in the GEMM epilogue: {', '.join(r['bias_epilogue'])}")
             if (r.get("rotary") or {}).get("rejected"):
                 notes.append(f"rewrite rejected: {r['rotary']['rejected']}")
             if r.get("quant"):
