@@ -47,7 +47,6 @@ class AttentionSite(Site):
         super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
         self.call = VARLEN_ATTENTION.bind(options.backend, self.stats,
                                           cast_mode="fp32" if options.cast_mode == "fp32" else "hf")
-        self.bypassed: dict[str, int] = {}
 
     def install(self) -> None:  # the rope site owns the forward: this site joins its rewrite
         site_of(self.module).attach(self)
@@ -57,8 +56,6 @@ class AttentionSite(Site):
         if isinstance(rope, RopeSite) and rope.attention is self:
             rope.attach(None)
 
-    def bypass(self, why: str) -> None:
-        self.bypassed[why] = self.bypassed.get(why, 0) + 1
 
     def details(self) -> dict:
         w = getattr(getattr(self.module, "qkv", None), "weight", None)

@@ -40,7 +40,6 @@ class MlpSite(Site):
         super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
         self.cast_mode = "fp32" if options.cast_mode == "fp32" else "hf"
         self.call = SWIGLU.bind(options.backend, self.stats, cast_mode=self.cast_mode)
-        self.bypassed: dict[str, int] = {}
         self.quant = None  # W8A8 (pypto_gym.quant): int8 gate/up in, int8 rows out to an int8 down_proj
 
     def details(self) -> dict:
@@ -54,7 +53,7 @@ def mlp_forward(module, x):
     if not _STATE.enabled:
         return site.original(x)
     if has_hooks(module.act_fn):
-        site.bypassed["act_fn has hooks"] = site.bypassed.get("act_fn has hooks", 0) + 1
+        site.bypass("act_fn has hooks")
         return site.original(x)
     if site.quant is not None:
         return site.quant.forward(site, module, x)

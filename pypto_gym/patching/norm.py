@@ -105,7 +105,6 @@ class NormSite(Site):
                                           norm_input="rounded")
         self.fused = False
         self.fused_into = None  # "qk_norm_rope at <attention path>": the rotary site normalises for this norm
-        self.bypassed: dict[str, int] = {}  # fused calls that ran unfused, by reason
         self.quant = None  # W8A8 (pypto_gym.quant): the norm emits int8 rows for the linears after it
         # W8A8 static: a consumer's smooth scale (fp32 [D]) folded into the weight per call, as an export folds it
         # into the checkpoint's weight (the merger's ln_q, whose rows are regrouped before mlp.0 quantises them)
@@ -153,7 +152,7 @@ def add_norm(norm: torch.nn.Module, hidden, residual):
     if reason is None:
         return norm.forward(hidden, residual=residual)
     if site is not None:
-        site.bypassed[reason] = site.bypassed.get(reason, 0) + 1
+        site.bypass(reason)
     x_out = residual + hidden
     return norm(x_out), x_out
 

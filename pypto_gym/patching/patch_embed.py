@@ -42,7 +42,6 @@ class PatchEmbedSite(Site):
     def __init__(self, cand: Candidate, options):
         super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
         self.call = PATCH_EMBED.bind(options.backend, self.stats)
-        self.bypassed: dict[str, int] = {}
 
     def details(self) -> dict:
         return {**weight_details(self.module.proj.weight), "fusion_bypassed": dict(self.bypassed)}
@@ -59,7 +58,7 @@ def patch_embed_forward(module, hidden_states):
            else "autograd: patch_embed has no backward" if torch.is_grad_enabled() and
            (hidden_states.requires_grad or w.requires_grad) else "")
     if why:  # HF's own forward, counted
-        site.bypassed[why] = site.bypassed.get(why, 0) + 1
+        site.bypass(why)
         return site.original(hidden_states)
     x = hidden_states.to(dtype=w.dtype).reshape(-1, math.prod(w.shape[1:]))
     return site.call(x, w, conv.bias)

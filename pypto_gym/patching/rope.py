@@ -296,7 +296,6 @@ class RopeSite(RewrittenForward, Site):
                                           cast_mode=cast)
         else:
             self.call = ROPE.bind(options.backend, self.stats, cast_mode=cast)
-        self.bypassed: dict[str, int] = {}
         self._fn = None
 
     @property
@@ -333,8 +332,6 @@ class RopeSite(RewrittenForward, Site):
         for s in self.norms:
             s.fused_into = None
 
-    def bypass(self, why: str) -> None:
-        self.bypassed[why] = self.bypassed.get(why, 0) + 1
 
     def details(self) -> dict:
         q_proj = getattr(self.module, "q_proj", None) or getattr(self.module, "qkv", None)

@@ -70,11 +70,16 @@ class Site(SwappedForward):
         super().__init__(module)
         self.paths, self.kind, self.requested_backend = list(paths), kind, backend
         self.stats = Stats(site=kind, strict=strict)
+        self.bypassed: dict[str, int] = {}  # calls that ran the original instead of the fused path, by reason
         self.linears: list = []  # its linears whose bias the GEMM's epilogue adds (gemm.py), set by patch_model
 
     @property
     def path(self) -> str:
         return self.paths[0]
+
+    def bypass(self, why: str) -> None:
+        """Count a call that ran the original forward (or part of it) instead of the fused path."""
+        self.bypassed[why] = self.bypassed.get(why, 0) + 1
 
     def details(self) -> dict:
         """Rule-specific report fields (the norm rule: D, eps, dtype, device, fusion)."""

@@ -91,7 +91,6 @@ class DecoderAttentionSite(Site):
     def __init__(self, cand: Candidate, options):
         super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
         self.call = DECODER_ATTENTION.bind(options.backend, self.stats, decode_gqa=decode_gqa())
-        self.bypassed: dict[str, int] = {}
         self.previous = None
 
     def install(self) -> None:
@@ -111,8 +110,6 @@ class DecoderAttentionSite(Site):
         super().__setstate__(state)
         register_implementation()
 
-    def bypass(self, why: str) -> None:
-        self.bypassed[why] = self.bypassed.get(why, 0) + 1
 
     def details(self) -> dict:
         w = self.module.q_proj.weight
