@@ -217,6 +217,19 @@ def test_varlen_attention_steps_through_long_windows(kernel, dtype, cast_mode):
     assert_close(run_on(kernel, op, args), op.golden(*args), op.outputs)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cast_mode", ["hf", "fp32"])
+def test_varlen_attention_reads_q_k_v_where_the_vision_block_leaves_them(kernel, dtype, cast_mode):
+    """HF's vision attention unbinds q, k and v from one [T, 3, H, D] qkv output: rows 3 H D values apart (the fp32
+    kernel reads q and v rows in place, not copied). Windows of one online-softmax step and of two (300 keys)."""
+    op = OPS["varlen_attention"]
+    T, H, D = 428, 2, 80
+    qkv = torch.randn(T, 3, H, D).to(dtype)
+    q, k, v = qkv.unbind(1)
+    args = (q, k, v, [0, 64, 128, 428], D ** -0.5, cast_mode)
+    assert_close(run_on(kernel, op, args), op.golden(*args), op.outputs)
+
+
 # Shapes whose rows, blocks or windows x heads split into several at::parallel_for chunks at these thread counts
 THREADED = [("rms_norm", {"R": (600,), "D": 200}), ("add_rms_norm_dynamic_quant", {"R": (600,), "D": 200}),
             ("dynamic_quant", {"R": (600,), "D": 200}),

@@ -2,11 +2,12 @@
 // window and head in one call, threads over (window, head).
 //
 // A task packs its window's keys (transposed) and values once in thread-local buffers: fp32, or on AVX-512 BF16
-// bf16 pairs for vdpbf16ps (gemm_dp; the keys transposed 16 x 16 in registers). Per block of 64 query rows it
-// runs both products with one register-blocked kernel (C += A B, B's rows a multiple of the vector width):
-// S = Q K^T, then an online softmax over key blocks of 64 (a window of up to 64 is one block; a full-attention
-// block's thousands of keys are many, as in torch's flash attention), O += P V, O times 1 / l at the end,
-// rounded once. As torch's CPU flash attention (which HF's per-window sdpa calls run) does: scores scaled after
+// bf16 pairs for vdpbf16ps (gemm_dp; the keys transposed 16 x 16 in registers); fp32 inputs' query and value rows
+// are read where they are. Per block of 64 query rows it runs both products with one register-blocked kernel
+// (C += A B, B's rows a multiple of the vector width): S = Q K^T, then an online softmax over key blocks (a window
+// of up to 256 keys is one block; a full-attention block's thousands of keys are many, as in torch's flash
+// attention), O += P V, O times 1 / l at the end, rounded once (a one-block fp32 window: P V times 1 / l written
+// as the output by the product). As torch's CPU flash attention (which HF's per-window sdpa calls run) does: scores scaled after
 // the product, exp of (s * scale - row max), the row sum from the fp32 exps, and in hf mode on 16-bit inputs the
 // exps rounded to the input dtype before P V (fp32 mode keeps them fp32; on bf16 they are written as the pairs P V
 // reads). Accumulation orders differ from torch's GEMMs, so outputs are within the precision rule, not
@@ -31,9 +32,11 @@ constexpr int64_t MAX_BLOCK_K = 256;  // keys per online-softmax step (see atten
 inline int64_t padded(int64_t n) { return (n + LANES - 1) / LANES * LANES; }
 
 #ifdef PG_SIMD
-// C[R][NC*W] (+)= A[R][K] B[K][NC*W]: R x NC accumulators in registers, A broadcast, B rows loaded once per k
-template <int R, int NC, bool ACC>
-inline void micro(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t K) {
+// C[R][NC*W] (+)= A[R][K] B[K][NC*W]: R x NC accumulators in registers, A broadcast, B rows loaded once per k; with
+// ROW_SCALE C's row r is written times row_scale[r]
+template <int R, int NC, bool ACC, bool ROW_SCALE>
+inline void micro(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t K,
+                  const float* row_scale) {
   V acc[R][NC];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = ACC ? vload<F32>(C + r * ldc + c * W) : vset(0.0f);
@@ -46,7 +49,7 @@ inline void micro(const float* A, int64_t lda, const float* B, int64_t ldb, floa
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NC; ++c) vstore<F32>(C + r * ldc + c * W, acc[r][c]);
+    for (int c = 0; c < NC; ++c) vstore<F32>(C + r * ldc + c * W, ROW_SCALE ? vmul(acc[r][c], vset(row_scale[r])) : acc[r][c]);
 }
 
 // f(std::integral_constant<int, NC>{}) for nc in 1..5: a micro-kernel's accumulator count is a compile-time constant
@@ -78,17 +81,18 @@ inline void blocked(int64_t M, int64_t N, Tile&& tile) {
 }
 #endif
 
-// C[M][N] (+)= A[M][K] B[K][N], row-major with leading dims; N a multiple of LANES
-template <bool ACC>
+// C[M][N] (+)= A[M][K] B[K][N], row-major with leading dims; N a multiple of LANES; with ROW_SCALE C = (A B) times
+// row_scale[i] per row (ACC false)
+template <bool ACC, bool ROW_SCALE = false>
 void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t M, int64_t N,
-          int64_t K) {
+          int64_t K, const float* row_scale = nullptr) {
 #ifdef PG_SIMD
   // 4 rows x up to 5 vectors of accumulators on AVX-512 (32 registers: an 80-wide head in one pass), 4 x 3 on
   // AVX2 (12 of its 16)
   blocked<W == 16 ? 5 : 3>(M, N, [&](auto rows, int nc, int64_t i, int64_t n0) {
     with_cols(nc, [&](auto cols) {
-      micro<decltype(rows)::value, decltype(cols)::value, ACC>(A + i * lda, lda, B + n0, ldb, C + i * ldc + n0, ldc,
-                                                                K);
+      micro<decltype(rows)::value, decltype(cols)::value, ACC, ROW_SCALE>(A + i * lda, lda, B + n0, ldb,
+                                                                           C + i * ldc + n0, ldc, K, ROW_SCALE ? row_scale + i : nullptr);
     });
   });
 #else
@@ -96,7 +100,7 @@ void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, in
     for (int64_t n = 0; n < N; ++n) {
       float acc = ACC ? C[i * ldc + n] : 0.0f;
       for (int64_t k = 0; k < K; ++k) acc += A[i * lda + k] * B[k * ldb + n];
-      C[i * ldc + n] = acc;
+      C[i * ldc + n] = ROW_SCALE ? acc * row_scale[i] : acc;
     }
 #endif
 }
@@ -412,6 +416,10 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   constexpr bool DP_QK = false, DP_PV = false;
 #endif
   const int64_t D2 = (D + 1) / 2;  // bf16 pairs along D
+  // fp32 inputs are read where they are: q rows as the first product's A, value rows (D a whole number of vectors)
+  // as the second's B (copied they were a fifth of an fp32 task's time beside its products; perf on AMX)
+  constexpr bool F32_IN = std::is_same<X, F32>::value;
+  const bool v_in_place = F32_IN && D == Dp;
 #ifdef PG_ATTENTION_AMX
   const int64_t D2k = (D2 + TILE - 1) / TILE * TILE;  // the pairs' K in whole tiles (zeros past D2)
   // S = Q K^T and O += P V on tiles, rows in whole tile pairs (rows past a block's queries are computed, not read)
@@ -439,7 +447,7 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 #endif
     // the window's keys transposed [D][Lp] and values [Lp][Dp], packed once (as bf16 pairs for vdpbf16ps: keys
     // [D2][Lp], values [Lp/2][Dp]); a block of queries (and its exps) and its state
-    std::vector<float> KT(DP_QK ? 0 : D * Lp), Vw(DP_PV ? 0 : Lp * Dp), Q(DP_QK ? 0 : BLOCK_Q * D),
+    std::vector<float> KT(DP_QK ? 0 : D * Lp), Vw(DP_PV || v_in_place ? 0 : Lp * Dp), Q(DP_QK || F32_IN ? 0 : BLOCK_Q * D),
         S(BLOCK_Q * Kp), O(BLOCK_Q * Dp), m(BLOCK_Q), l(BLOCK_Q);
     std::vector<uint32_t> KTp(DP_QK ? D2k * Lp : 0), Vp(DP_PV ? Lp / 2 * Dp : 0), Qp(DP_QK ? BLOCK_Q * D2k : 0),
         Pp(DP_PV ? BLOCK_Q * Kp / 2 : 0);
@@ -453,7 +461,10 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      yp + n.start * yt + n.head * yh};
         next.rows = n.end - n.start;
       }
-      const int64_t next_per_row = (next.lines() + 2 * L - 1) / (2 * L);  // twice per query row
+      // fp32 windows of one key step: the second product writes the output rows, times 1 / l (no pass over O)
+      const bool out_in_product = v_in_place && L <= block_k;
+      const int64_t passes = out_in_product ? 1 : 2;  // the next task's lines once or twice per query row
+      const int64_t next_per_row = (next.lines() + passes * L - 1) / (passes * L);
 #ifdef PG_ATTENTION_DP
       if constexpr (DP_QK) pack_pairs<T, DP_PV>(kp, vp, task, kt, kh, vt, vh, D, Dp, L, Lw, Lp, KTp, Vp);
 #endif
@@ -466,17 +477,17 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 #else
       constexpr bool KEYS_32 = false;
 #endif
-      for (int64_t j = 0; j < Lw && !DP_QK; ++j) {
+      for (int64_t j = 0; j < Lw && !DP_QK && !(KEYS_32 && v_in_place); ++j) {
         float* vw = Vw.data() + j * Dp;
         if (j >= L) {
-          std::fill(vw, vw + Dp, 0.0f);
+          if (!v_in_place) std::fill(vw, vw + Dp, 0.0f);
           for (int64_t d = 0; d < D && !KEYS_32; ++d) KT[d * Lp + j] = 0.0f;
           continue;
         }
         const T* krow = kp + (task.start + j) * kt + h * kh;
-        const T* vrow = vp + (task.start + j) * vt + h * vh;
         for (int64_t d = 0; d < D && !KEYS_32; ++d) KT[d * Lp + j] = X::load(krow[d]);
-        to_f32<X>(vrow, vw, D);
+        if (v_in_place) continue;
+        to_f32<X>(vp + (task.start + j) * vt + h * vh, vw, D);
         std::fill(vw + D, vw + Dp, 0.0f);
       }
       if constexpr (DP_QK && !DP_PV) {  // fp32 mode: the values as fp32 rows (the exps stay fp32)
@@ -488,7 +499,7 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       }
       for (int64_t q0 = 0; q0 < L; q0 += BLOCK_Q) {
         const int64_t nq = std::min(BLOCK_Q, L - q0);
-        for (int64_t i = 0; i < nq; ++i) {
+        for (int64_t i = 0; i < nq && !F32_IN; ++i) {
           const T* qrow = qp + (task.start + q0 + i) * qt + h * qh;
           if constexpr (DP_QK) {
             const uint16_t* bits = reinterpret_cast<const uint16_t*>(qrow);
@@ -509,7 +520,9 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
             qk(Qp.data(), KTp.data() + k0, S.data(), nq, nkp);
           else
 #endif
-            gemm<false>(Q.data(), D, KT.data() + k0, Lp, S.data(), Kp, nq, nkp, D);
+            F32_IN ? gemm<false>(reinterpret_cast<const float*>(qp + (task.start + q0) * qt + h * qh), qt, KT.data() + k0,
+                                 Lp, S.data(), Kp, nq, nkp, D)
+                   : gemm<false>(Q.data(), D, KT.data() + k0, Lp, S.data(), Kp, nq, nkp, D);
           for (int64_t i = 0; i < nq; ++i) {
             if (k0 == 0) next.step(next_per_row);
             float* s = S.data() + i * Kp;
@@ -537,10 +550,22 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
             pv(Pp.data(), Vp.data() + k0 / 2 * Dp, O.data(), nq, nkp / 2, k0 > 0);  // the first block sets O
           else
 #endif
-            k0 > 0 ? gemm<true>(S.data(), Kp, Vw.data() + k0 * Dp, Dp, O.data(), Dp, nq, Dp, nkp)
-                   : gemm<false>(S.data(), Kp, Vw.data() + k0 * Dp, Dp, O.data(), Dp, nq, Dp, nkp);
+          {
+            // in place: the window's value rows (the exps' columns from nk on are zeros: K = nk, no padded rows)
+            const float* B = v_in_place ? reinterpret_cast<const float*>(vp + (task.start + k0) * vt + h * vh)
+                                        : Vw.data() + k0 * Dp;
+            const int64_t ldb = v_in_place ? vt : Dp, K = v_in_place ? nk : nkp;
+            if (out_in_product) {  // y = (P V) times 1 / l, as the loop below
+              for (int64_t i = 0; i < nq; ++i) l[i] = 1.0f / l[i];
+              gemm<false, true>(S.data(), Kp, B, ldb, reinterpret_cast<float*>(yp + (task.start + q0) * yt + h * yh),
+                                yt, nq, Dp, K, l.data());
+            } else {
+              k0 > 0 ? gemm<true>(S.data(), Kp, B, ldb, O.data(), Dp, nq, Dp, K)
+                     : gemm<false>(S.data(), Kp, B, ldb, O.data(), Dp, nq, Dp, K);
+            }
+          }
         }
-        for (int64_t i = 0; i < nq; ++i) {
+        for (int64_t i = 0; i < nq && !out_in_product; ++i) {
           next.step(next_per_row);
           T* out = yp + (task.start + q0 + i) * yt + h * yh;
           const float* o = O.data() + i * Dp;
