@@ -7,12 +7,12 @@
 // (C += A B, B's rows a multiple of the vector width): S = Q K^T, then an online softmax over key blocks (a window
 // of up to 256 keys is one block; a full-attention block's thousands of keys are many, as in torch's flash
 // attention), O += P V, O times 1 / l at the end, rounded once (a one-block fp32 window: P V times 1 / l written
-// as the output by the product). As torch's CPU flash attention (which HF's per-window sdpa calls run) does: scores scaled after
-// the product, exp of (s * scale - row max), the row sum from the fp32 exps, and in hf mode on 16-bit inputs the
-// exps rounded to the input dtype before P V (fp32 mode keeps them fp32; on bf16 they are written as the pairs P V
-// reads). Accumulation orders differ from torch's GEMMs, so outputs are within the precision rule, not
-// bit-identical. On the avx512amx level the same bf16 products run as AMX tile dot products (gemm_amx): the same
-// operands, zero-padded to whole tiles.
+// as the output by the product). As torch's CPU flash attention (which HF's per-window sdpa calls run) does:
+// scores scaled after the product, exp of (s * scale - row max), the row sum from the fp32 exps, and in hf mode on
+// 16-bit inputs the exps rounded to the input dtype before P V (fp32 mode keeps them fp32; on bf16 they are
+// written as the pairs P V reads). Accumulation orders differ from torch's GEMMs, so outputs are within the
+// precision rule, not bit-identical. On the avx512amx level the same bf16 products run as AMX tile dot products
+// (gemm_amx): the same operands, zero-padded to whole tiles.
 #include <array>
 #include <cstring>
 #include <type_traits>
@@ -49,7 +49,8 @@ inline void micro(const float* A, int64_t lda, const float* B, int64_t ldb, floa
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NC; ++c) vstore<F32>(C + r * ldc + c * W, ROW_SCALE ? vmul(acc[r][c], vset(row_scale[r])) : acc[r][c]);
+    for (int c = 0; c < NC; ++c)
+      vstore<F32>(C + r * ldc + c * W, ROW_SCALE ? vmul(acc[r][c], vset(row_scale[r])) : acc[r][c]);
 }
 
 // f(std::integral_constant<int, NC>{}) for nc in 1..5: a micro-kernel's accumulator count is a compile-time constant
@@ -91,8 +92,8 @@ void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, in
   // AVX2 (12 of its 16)
   blocked<W == 16 ? 5 : 3>(M, N, [&](auto rows, int nc, int64_t i, int64_t n0) {
     with_cols(nc, [&](auto cols) {
-      micro<decltype(rows)::value, decltype(cols)::value, ACC, ROW_SCALE>(A + i * lda, lda, B + n0, ldb,
-                                                                           C + i * ldc + n0, ldc, K, ROW_SCALE ? row_scale + i : nullptr);
+      micro<decltype(rows)::value, decltype(cols)::value, ACC, ROW_SCALE>(
+          A + i * lda, lda, B + n0, ldb, C + i * ldc + n0, ldc, K, ROW_SCALE ? row_scale + i : nullptr);
     });
   });
 #else
@@ -447,8 +448,8 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 #endif
     // the window's keys transposed [D][Lp] and values [Lp][Dp], packed once (as bf16 pairs for vdpbf16ps: keys
     // [D2][Lp], values [Lp/2][Dp]); a block of queries (and its exps) and its state
-    std::vector<float> KT(DP_QK ? 0 : D * Lp), Vw(DP_PV || v_in_place ? 0 : Lp * Dp), Q(DP_QK || F32_IN ? 0 : BLOCK_Q * D),
-        S(BLOCK_Q * Kp), O(BLOCK_Q * Dp), m(BLOCK_Q), l(BLOCK_Q);
+    std::vector<float> KT(DP_QK ? 0 : D * Lp), Vw(DP_PV || v_in_place ? 0 : Lp * Dp),
+        Q(DP_QK || F32_IN ? 0 : BLOCK_Q * D), S(BLOCK_Q * Kp), O(BLOCK_Q * Dp), m(BLOCK_Q), l(BLOCK_Q);
     std::vector<uint32_t> KTp(DP_QK ? D2k * Lp : 0), Vp(DP_PV ? Lp / 2 * Dp : 0), Qp(DP_QK ? BLOCK_Q * D2k : 0),
         Pp(DP_PV ? BLOCK_Q * Kp / 2 : 0);
     for (int64_t t = begin; t < end; ++t) {
@@ -520,8 +521,8 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
             qk(Qp.data(), KTp.data() + k0, S.data(), nq, nkp);
           else
 #endif
-            F32_IN ? gemm<false>(reinterpret_cast<const float*>(qp + (task.start + q0) * qt + h * qh), qt, KT.data() + k0,
-                                 Lp, S.data(), Kp, nq, nkp, D)
+            F32_IN ? gemm<false>(reinterpret_cast<const float*>(qp + (task.start + q0) * qt + h * qh), qt,
+                                 KT.data() + k0, Lp, S.data(), Kp, nq, nkp, D)
                    : gemm<false>(Q.data(), D, KT.data() + k0, Lp, S.data(), Kp, nq, nkp, D);
           for (int64_t i = 0; i < nq; ++i) {
             if (k0 == 0) next.step(next_per_row);
