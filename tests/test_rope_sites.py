@@ -133,6 +133,9 @@ def test_a_rotary_function_reassigned_after_patching_runs_and_is_counted(monkeyp
     replacement, not the op), counted as a bypass."""
     model = qwen3_bf16()
     report = pypto_gym.patch_model(model, backend="cpu")
+    with torch.no_grad():  # in use first: the rewrite's first-call check (once per process and class, so only in
+        model(**text_inputs())  # a process that had not run one yet) happens here, not in the call counted below
+    calls = {r["path"]: r["calls"] for r in rope_rows(report)}
     seen = []
 
     def replacement(q, k, cos, sin, *args, **kwargs):
@@ -144,8 +147,8 @@ def test_a_rotary_function_reassigned_after_patching_runs_and_is_counted(monkeyp
         model(**text_inputs())
     assert len(seen) == 2
     for r in rope_rows(report):
-        assert r["calls"] == 0 and r["fusion_bypassed"] == {"replacement was replaced after patching": 1} \
-            or r["fusion_bypassed"] == {"apply_rotary_pos_emb was replaced after patching": 1}, r
+        assert r["calls"] == calls[r["path"]] == 1, r
+        assert r["fusion_bypassed"] == {"replacement was replaced after patching": 1}, r
 
 
 def test_hooks_on_a_fused_norm_see_it_run():
