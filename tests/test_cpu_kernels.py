@@ -230,6 +230,24 @@ def test_varlen_attention_reads_q_k_v_where_the_vision_block_leaves_them(kernel,
     assert_close(run_on(kernel, op, args), op.golden(*args), op.outputs)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cast_mode", ["hf", "fp32"])
+def test_varlen_attention_row_max_is_over_the_window_keys_only(kernel, dtype, cast_mode):
+    """Every score of a window far below zero (~ -150 after the scale), its 40 and 300 keys not whole vectors: the
+    softmax's max is over the window's keys, not the padding past them (zero scores there: exp(s - 0) would
+    underflow to 0 for every key and the rows come out 0 / 0)."""
+    op = OPS["varlen_attention"]
+    T, H, D = 340, 2, 80
+    a = torch.ones(D)
+    k = (a + 0.1 * torch.randn(T, H, D)).to(dtype)
+    q = (-17.0 * a).expand(T, H, D).to(dtype).contiguous()
+    v = torch.randn(T, H, D).to(dtype)
+    args = (q, k, v, [0, 40, 340], D ** -0.5, cast_mode)
+    out, golden = run_on(kernel, op, args), op.golden(*args)
+    assert torch.isfinite(golden[0] if isinstance(golden, tuple) else golden).all()
+    assert_close(out, golden, op.outputs)
+
+
 # Shapes whose rows, blocks or windows x heads split into several at::parallel_for chunks at these thread counts
 THREADED = [("rms_norm", {"R": (600,), "D": 200}), ("add_rms_norm_dynamic_quant", {"R": (600,), "D": 200}),
             ("dynamic_quant", {"R": (600,), "D": 200}),

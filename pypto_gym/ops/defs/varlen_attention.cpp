@@ -2,8 +2,8 @@
 // window and head in one call, threads over (window, head).
 //
 // A task packs its window's keys (transposed) and values once in thread-local buffers: fp32, or on AVX-512 BF16
-// bf16 pairs for vdpbf16ps (gemm_dp; the keys transposed 16 x 16 in registers); fp32 inputs' query and value rows
-// are read where they are. Per block of 64 query rows it runs both products with one register-blocked kernel
+// bf16 pairs for vdpbf16ps (gemm_dp; the keys transposed 16 x 16 in registers); fp32 inputs' query and value rows,
+// and bf16 query rows on vdpbf16ps, are read where they are. Per block of 64 query rows it runs both products with one register-blocked kernel
 // (C += A B, B's rows a multiple of the vector width): S = Q K^T, then an online softmax over key blocks (a window
 // of up to 256 keys is one block; a full-attention block's thousands of keys are many, as in torch's flash
 // attention), O += P V, O times 1 / l at the end, rounded once (a one-block fp32 window: P V times 1 / l written
@@ -114,7 +114,7 @@ void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, in
 #define PG_ATTENTION_DP 1
 template <int R, int NC, bool ACC>
 inline void micro_dp(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C, int64_t ldc,
-                     int64_t K2) {
+                     int64_t K2, float* row_max, int64_t valid) {
   __m512 acc[R][NC];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = ACC ? _mm512_loadu_ps(C + r * ldc + c * W) : _mm512_setzero_ps();
@@ -128,16 +128,29 @@ inline void micro_dp(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t 
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(C + r * ldc + c * W, acc[r][c]);
+  if (row_max) {  // each row's max over its first `valid` columns, folded into row_max[r]: read from the registers
+    for (int r = 0; r < R; ++r) {
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int c = 0; c < NC && c * W < valid; ++c) {
+        const int64_t n = valid - c * W;
+        mx = _mm512_mask_max_ps(mx, n >= W ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1), acc[r][c], mx);
+      }
+      row_max[r] = std::max(row_max[r], _mm512_reduce_max_ps(mx));
+    }
+  }
 }
 
-// C[M][N] (+)= A B with A [M][K2] and B [K2][N] bf16 pairs (K = 2 K2), N a multiple of 16
+// C[M][N] (+)= A B with A [M][K2] and B [K2][N] bf16 pairs (K = 2 K2), N a multiple of 16; with row_max, each
+// row's max over C's first `valid` columns folded into row_max[i] (S's row maxes for the softmax without a pass
+// over S: ~5 % of the page's time on Zen 5)
 template <bool ACC>
 void gemm_dp(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C, int64_t ldc, int64_t M,
-             int64_t N, int64_t K2) {
+             int64_t N, int64_t K2, float* row_max = nullptr, int64_t valid = 0) {
   blocked<5>(M, N, [&](auto rows, int nc, int64_t i, int64_t n0) {
     with_cols(nc, [&](auto cols) {
       micro_dp<decltype(rows)::value, decltype(cols)::value, ACC>(A + i * lda, lda, B + n0, ldb, C + i * ldc + n0,
-                                                                   ldc, K2);
+                                                                   ldc, K2, row_max ? row_max + i : nullptr,
+                                                                   valid - n0);
     });
   });
 }
@@ -421,11 +434,22 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   // as the second's B (copied they were a fifth of an fp32 task's time beside its products; perf on AMX)
   constexpr bool F32_IN = std::is_same<X, F32>::value;
   const bool v_in_place = F32_IN && D == Dp;
+  // On vdpbf16ps (not on AMX tiles, which read K in whole tiles, past D2, and store S as tiles): bf16 query rows
+  // of even length starting at 4-byte boundaries are their pairs already, read in place as the first product's A
+  // (not copied: ~4 % of the page's time on Zen 5), and S's row maxes come from the product's registers.
+#if defined(PG_ATTENTION_DP) && !defined(PG_ATTENTION_AMX)
+  constexpr bool DP_VECTORS = DP_QK;
+#else
+  constexpr bool DP_VECTORS = false;
+#endif
+  const bool q_in_place = DP_VECTORS && D % 2 == 0 && qt % 2 == 0 && qh % 2 == 0 &&
+                          reinterpret_cast<uintptr_t>(qp) % 4 == 0;
 #ifdef PG_ATTENTION_AMX
   const int64_t D2k = (D2 + TILE - 1) / TILE * TILE;  // the pairs' K in whole tiles (zeros past D2)
   // S = Q K^T and O += P V on tiles, rows in whole tile pairs (rows past a block's queries are computed, not read)
-  auto qk = [&](const uint32_t* A, const uint32_t* B, float* C, int64_t M, int64_t N) {
-    gemm_amx<false>(A, D2k, B, Lp, C, Kp, key_padded(M), N, D2k);
+  auto qk = [&](const uint32_t* A, int64_t lda, const uint32_t* B, float* C, int64_t M, int64_t N, float* /*row_max*/,
+                int64_t /*valid*/) {
+    gemm_amx<false>(A, lda, B, Lp, C, Kp, key_padded(M), N, D2k);
   };
   auto pv = [&](const uint32_t* A, const uint32_t* B, float* C, int64_t M, int64_t K2, bool acc) {
     acc ? gemm_amx<true>(A, Kp / 2, B, Dp, C, Dp, key_padded(M), Dp, K2)
@@ -433,8 +457,9 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   };
 #elif defined(PG_ATTENTION_DP)
   const int64_t D2k = D2;
-  auto qk = [&](const uint32_t* A, const uint32_t* B, float* C, int64_t M, int64_t N) {
-    gemm_dp<false>(A, D2k, B, Lp, C, Kp, M, N, D2k);
+  auto qk = [&](const uint32_t* A, int64_t lda, const uint32_t* B, float* C, int64_t M, int64_t N, float* row_max,
+                int64_t valid) {
+    gemm_dp<false>(A, lda, B, Lp, C, Kp, M, N, D2k, row_max, valid);
   };
   auto pv = [&](const uint32_t* A, const uint32_t* B, float* C, int64_t M, int64_t K2, bool acc) {
     acc ? gemm_dp<true>(A, Kp / 2, B, Dp, C, Dp, M, Dp, K2) : gemm_dp<false>(A, Kp / 2, B, Dp, C, Dp, M, Dp, K2);
@@ -449,7 +474,8 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     // the window's keys transposed [D][Lp] and values [Lp][Dp], packed once (as bf16 pairs for vdpbf16ps: keys
     // [D2][Lp], values [Lp/2][Dp]); a block of queries (and its exps) and its state
     std::vector<float> KT(DP_QK ? 0 : D * Lp), Vw(DP_PV || v_in_place ? 0 : Lp * Dp),
-        Q(DP_QK || F32_IN ? 0 : BLOCK_Q * D), S(BLOCK_Q * Kp), O(BLOCK_Q * Dp), m(BLOCK_Q), l(BLOCK_Q);
+        Q(DP_QK || F32_IN ? 0 : BLOCK_Q * D), S(BLOCK_Q * Kp), O(BLOCK_Q * Dp), m(BLOCK_Q), l(BLOCK_Q),
+        s_max(BLOCK_Q);
     std::vector<uint32_t> KTp(DP_QK ? D2k * Lp : 0), Vp(DP_PV ? Lp / 2 * Dp : 0), Qp(DP_QK ? BLOCK_Q * D2k : 0),
         Pp(DP_PV ? BLOCK_Q * Kp / 2 : 0);
     for (int64_t t = begin; t < end; ++t) {
@@ -500,7 +526,7 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       }
       for (int64_t q0 = 0; q0 < L; q0 += BLOCK_Q) {
         const int64_t nq = std::min(BLOCK_Q, L - q0);
-        for (int64_t i = 0; i < nq && !F32_IN; ++i) {
+        for (int64_t i = 0; i < nq && !F32_IN && !q_in_place; ++i) {
           const T* qrow = qp + (task.start + q0 + i) * qt + h * qh;
           if constexpr (DP_QK) {
             const uint16_t* bits = reinterpret_cast<const uint16_t*>(qrow);
@@ -518,7 +544,12 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
           const int64_t nk = std::min(block_k, L - k0), nkp = key_padded(nk);
 #ifdef PG_ATTENTION_DP
           if constexpr (DP_QK)
-            qk(Qp.data(), KTp.data() + k0, S.data(), nq, nkp);
+          {
+            std::fill(s_max.begin(), s_max.end(), -INFINITY);  // (unused on AMX tiles)
+            q_in_place ? qk(reinterpret_cast<const uint32_t*>(qp + (task.start + q0) * qt + h * qh), qt / 2,
+                            KTp.data() + k0, S.data(), nq, nkp, s_max.data(), nk)
+                       : qk(Qp.data(), D2k, KTp.data() + k0, S.data(), nq, nkp, s_max.data(), nk);
+          }
           else
 #endif
             F32_IN ? gemm<false>(reinterpret_cast<const float*>(qp + (task.start + q0) * qt + h * qh), qt,
@@ -527,7 +558,7 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
           for (int64_t i = 0; i < nq; ++i) {
             if (k0 == 0) next.step(next_per_row);
             float* s = S.data() + i * Kp;
-            const float m_new = std::max(m[i], scaled_max(s, nk, scale));
+            const float m_new = std::max(m[i], DP_VECTORS ? s_max[i] * scale : scaled_max(s, nk, scale));
             // the exps in place, or as bf16 pairs along the keys for vdpbf16ps / tiles (hf mode on bf16 inputs)
             auto exps = [&] {
               if constexpr (DP_PV)
