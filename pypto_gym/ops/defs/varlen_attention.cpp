@@ -2,17 +2,18 @@
 // window and head in one call, threads over (window, head).
 //
 // A task packs its window's keys (transposed) and values once in thread-local buffers: fp32, or on AVX-512 BF16
-// bf16 pairs for vdpbf16ps (gemm_dp; the keys transposed 16 x 16 in registers); fp32 inputs' query and value rows,
-// and bf16 query rows on vdpbf16ps, are read where they are. Per block of 64 query rows it runs both products with one register-blocked kernel
-// (C += A B, B's rows a multiple of the vector width): S = Q K^T, then an online softmax over key blocks (a window
-// of up to 256 keys is one block; a full-attention block's thousands of keys are many, as in torch's flash
-// attention), O += P V, O times 1 / l at the end, rounded once (a one-block fp32 window: P V times 1 / l written
-// as the output by the product). As torch's CPU flash attention (which HF's per-window sdpa calls run) does:
-// scores scaled after the product, exp of (s * scale - row max), the row sum from the fp32 exps, and in hf mode on
-// 16-bit inputs the exps rounded to the input dtype before P V (fp32 mode keeps them fp32; on bf16 they are
-// written as the pairs P V reads). Accumulation orders differ from torch's GEMMs, so outputs are within the
-// precision rule, not bit-identical. On the avx512amx level the same bf16 products run as AMX tile dot products
-// (gemm_amx): the same operands, zero-padded to whole tiles.
+// bf16 pairs for vdpbf16ps (gemm_dp; the keys transposed 16 x 16 in registers); fp32 inputs' query and value
+// rows, and bf16 query rows on vdpbf16ps, are read where they are. Per block of 64 query rows it runs both
+// products with one register-blocked kernel (C += A B, B's rows a multiple of the vector width): S = Q K^T, then
+// an online softmax over key blocks (a window of up to 256 keys is one block; a full-attention block's thousands
+// of keys are many, as in torch's flash attention), O += P V, O times 1 / l at the end, rounded once (a one-block
+// window in fp32, or in bf16 on vdpbf16ps: P V times 1 / l written as the output by the product). As torch's CPU
+// flash attention (which HF's per-window sdpa calls run) does: scores scaled after the product, exp of
+// (s * scale - row max), the row sum from the fp32 exps, and in hf mode on 16-bit inputs the exps rounded to the
+// input dtype before P V (fp32 mode keeps them fp32; on bf16 they are written as the pairs P V reads).
+// Accumulation orders differ from torch's GEMMs, so outputs are within the precision rule, not bit-identical. On
+// the avx512amx level the same bf16 products run as AMX tile dot products (gemm_amx): the same operands,
+// zero-padded to whole tiles.
 #include <array>
 #include <cstring>
 #include <type_traits>
@@ -112,12 +113,18 @@ void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, in
 // per instruction, on operands packed as pairs along K (one uint32: the even index low, the odd one high).
 // Subnormal bf16 operands count as zero there (far below any score or value that matters).
 #define PG_ATTENTION_DP 1
-template <int R, int NC, bool ACC>
-inline void micro_dp(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C, int64_t ldc,
-                     int64_t K2, float* row_max, int64_t valid) {
+// C is fp32, or (Y = uint16_t) bf16 rows written times row_scale[r]
+template <int R, int NC, bool ACC, class Y>
+inline void micro_dp(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, Y* C, int64_t ldc, int64_t K2,
+                     float* row_max, int64_t valid, const float* row_scale) {
+  constexpr bool BF16_OUT = std::is_same<Y, uint16_t>::value;
   __m512 acc[R][NC];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = ACC ? _mm512_loadu_ps(C + r * ldc + c * W) : _mm512_setzero_ps();
+    for (int c = 0; c < NC; ++c)
+      if constexpr (ACC && !BF16_OUT)
+        acc[r][c] = _mm512_loadu_ps(C + r * ldc + c * W);
+      else
+        acc[r][c] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K2; ++k) {
     __m512bh b[NC];
     for (int c = 0; c < NC; ++c) b[c] = (__m512bh)_mm512_loadu_si512(B + k * ldb + c * W);
@@ -127,7 +134,12 @@ inline void micro_dp(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t 
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(C + r * ldc + c * W, acc[r][c]);
+    for (int c = 0; c < NC; ++c)
+      if constexpr (BF16_OUT)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(C + r * ldc + c * W),
+                            bf16_pack(_mm512_mul_ps(acc[r][c], _mm512_set1_ps(row_scale[r]))));
+      else
+        _mm512_storeu_ps(C + r * ldc + c * W, acc[r][c]);
   if (row_max) {  // each row's max over its first `valid` columns, folded into row_max[r]: read from the registers
     for (int r = 0; r < R; ++r) {
       __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -142,15 +154,15 @@ inline void micro_dp(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t 
 
 // C[M][N] (+)= A B with A [M][K2] and B [K2][N] bf16 pairs (K = 2 K2), N a multiple of 16; with row_max, each
 // row's max over C's first `valid` columns folded into row_max[i] (S's row maxes for the softmax without a pass
-// over S: ~5 % of the page's time on Zen 5)
-template <bool ACC>
-void gemm_dp(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C, int64_t ldc, int64_t M,
-             int64_t N, int64_t K2, float* row_max = nullptr, int64_t valid = 0) {
+// over S: ~5 % of the page's time on Zen 5). With Y = uint16_t, C = bf16(A B times row_scale[i]) (ACC false).
+template <bool ACC, class Y = float>
+void gemm_dp(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, Y* C, int64_t ldc, int64_t M, int64_t N,
+             int64_t K2, float* row_max = nullptr, int64_t valid = 0, const float* row_scale = nullptr) {
   blocked<5>(M, N, [&](auto rows, int nc, int64_t i, int64_t n0) {
     with_cols(nc, [&](auto cols) {
       micro_dp<decltype(rows)::value, decltype(cols)::value, ACC>(A + i * lda, lda, B + n0, ldb, C + i * ldc + n0,
                                                                    ldc, K2, row_max ? row_max + i : nullptr,
-                                                                   valid - n0);
+                                                                   valid - n0, row_scale ? row_scale + i : nullptr);
     });
   });
 }
@@ -489,7 +501,8 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         next.rows = n.end - n.start;
       }
       // fp32 windows of one key step: the second product writes the output rows, times 1 / l (no pass over O)
-      const bool out_in_product = v_in_place && L <= block_k;
+      // (and bf16 windows of one step on vdpbf16ps, heads of whole vectors: P V times 1 / l rounded to bf16)
+      const bool out_in_product = (v_in_place || (DP_VECTORS && DP_PV && D == Dp)) && L <= block_k;
       const int64_t passes = out_in_product ? 1 : 2;  // the next task's lines once or twice per query row
       const int64_t next_per_row = (next.lines() + passes * L - 1) / (passes * L);
 #ifdef PG_ATTENTION_DP
@@ -578,9 +591,16 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
             m[i] = m_new;
           }
 #ifdef PG_ATTENTION_DP
-          if constexpr (DP_PV)
-            pv(Pp.data(), Vp.data() + k0 / 2 * Dp, O.data(), nq, nkp / 2, k0 > 0);  // the first block sets O
-          else
+          if constexpr (DP_PV) {
+            if (out_in_product) {  // y = bf16((P V) times 1 / l), as the loop below
+              for (int64_t i = 0; i < nq; ++i) l[i] = 1.0f / l[i];
+              gemm_dp<false>(Pp.data(), Kp / 2, Vp.data(), Dp,
+                             reinterpret_cast<uint16_t*>(yp + (task.start + q0) * yt + h * yh), yt, nq, Dp, nkp / 2,
+                             nullptr, 0, l.data());
+            } else {
+              pv(Pp.data(), Vp.data() + k0 / 2 * Dp, O.data(), nq, nkp / 2, k0 > 0);  // the first block sets O
+            }
+          } else
 #endif
           {
             // in place: the window's value rows (the exps' columns from nk on are zeros: K = nk, no padded rows)
