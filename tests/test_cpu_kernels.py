@@ -248,7 +248,7 @@ def test_varlen_attention_row_max_is_over_the_window_keys_only(kernel, dtype, ca
     assert_close(out, golden, op.outputs)
 
 
-EQUAL_SHARE = {torch.bfloat16: 0.75, torch.float16: 0.55}  # measured ~0.82 and ~0.65 (fp16 has 3 more bits)
+EQUAL_SHARE = {torch.bfloat16: 0.5, torch.float16: 0.4}  # measured ~0.82 and ~0.65 on Zen 5 (fp16 has 3 more bits)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
