@@ -487,7 +487,7 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     // [D2][Lp], values [Lp/2][Dp]); a block of queries (and its exps) and its state
     std::vector<float> KT(DP_QK ? 0 : D * Lp), Vw(DP_PV || v_in_place ? 0 : Lp * Dp),
         Q(DP_QK || F32_IN ? 0 : BLOCK_Q * D), S(BLOCK_Q * Kp), O(BLOCK_Q * Dp), m(BLOCK_Q), l(BLOCK_Q),
-        s_max(BLOCK_Q);
+        s_max(DP_VECTORS ? BLOCK_Q : 0);
     std::vector<uint32_t> KTp(DP_QK ? D2k * Lp : 0), Vp(DP_PV ? Lp / 2 * Dp : 0), Qp(DP_QK ? BLOCK_Q * D2k : 0),
         Pp(DP_PV ? BLOCK_Q * Kp / 2 : 0);
     for (int64_t t = begin; t < end; ++t) {
@@ -556,14 +556,13 @@ void attention_tasks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         for (int64_t k0 = 0; k0 < L; k0 += block_k) {
           const int64_t nk = std::min(block_k, L - k0), nkp = key_padded(nk);
 #ifdef PG_ATTENTION_DP
-          if constexpr (DP_QK)
-          {
-            std::fill(s_max.begin(), s_max.end(), -INFINITY);  // (unused on AMX tiles)
+          if constexpr (DP_QK) {
+            if (DP_VECTORS) std::fill(s_max.begin(), s_max.end(), -INFINITY);
+            float* row_max = DP_VECTORS ? s_max.data() : nullptr;
             q_in_place ? qk(reinterpret_cast<const uint32_t*>(qp + (task.start + q0) * qt + h * qh), qt / 2,
-                            KTp.data() + k0, S.data(), nq, nkp, s_max.data(), nk)
-                       : qk(Qp.data(), D2k, KTp.data() + k0, S.data(), nq, nkp, s_max.data(), nk);
-          }
-          else
+                            KTp.data() + k0, S.data(), nq, nkp, row_max, nk)
+                       : qk(Qp.data(), D2k, KTp.data() + k0, S.data(), nq, nkp, row_max, nk);
+          } else
 #endif
             F32_IN ? gemm<false>(reinterpret_cast<const float*>(qp + (task.start + q0) * qt + h * qh), qt,
                                  KT.data() + k0, Lp, S.data(), Kp, nq, nkp, D)
