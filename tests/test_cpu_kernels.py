@@ -267,6 +267,70 @@ def test_varlen_attention_16_bit_outputs_mostly_equal_torchs(kernel, dtype):
     assert abs(float(out.double().abs().sum() / golden.double().abs().sum()) - 1) < 1e-4
 
 
+NONFINITE = [("nan key", "k", float("nan")), ("inf key", "k", float("inf")), ("nan query", "q", float("nan")),
+             ("nan value", "v", float("nan"))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("what,tensor,value", NONFINITE, ids=[w for w, _, _ in NONFINITE])
+def test_varlen_attention_propagates_nan_and_inf_as_torch(kernel, dtype, what, tensor, value):
+    """A NaN or +inf in a window's key (or a NaN query or value) makes torch's sdpa NaN where it reaches, wherever it
+    sits: the vector exp clamped with MAXPS's NaN-dropping operand order turned exp(NaN) into ~1e-38, so a key inside
+    the vector lanes gave finite output and only the scalar tail's propagated. Placed in lanes, in the tail, in a
+    one-step window (40 keys) and in a two-step window (300 keys), and in the other window nothing changes."""
+    op = OPS["varlen_attention"]
+    T, H, D = 380, 2, 80
+    gen = torch.Generator().manual_seed(1)
+    base = {name: torch.randn(T, H, D, generator=gen).to(dtype) for name in "qkv"}
+    for row in (3, 17, 38, 40 + 5, 40 + 150, 40 + 297):  # lanes and tail of the 40-key window; both steps of 300
+        t = {name: x.clone() for name, x in base.items()}
+        t[tensor][row, 1, 7 if tensor != "k" else slice(None)] = value
+        args = (t["q"], t["k"], t["v"], [0, 40, 340, 380], D ** -0.5, "hf")
+        out, golden = run_on(kernel, op, args), op.golden(*args)
+        assert torch.isnan(golden).any(), what
+        assert torch.equal(torch.isnan(out), torch.isnan(golden)), (what, row)
+        finite = ~torch.isnan(golden)
+        assert_close(torch.where(finite, out, 0), torch.where(finite, golden, 0), op.outputs)
+
+
+def test_every_entry_point_checks_what_it_indexes_with(kernel):
+    """The C++ entry points refuse what would index past a buffer or read one dtype as another, whoever calls them
+    (memory safety must not depend on the Python layer): varlen_attention's window bounds, the fused add+norm+quant
+    ops' x2 and vectors, swiglu_dynamic_quant's up, dequant_swiglu_quant's per-row scales, rope's geometry."""
+    ext = registry.get(kernel).extension()
+    bf = torch.bfloat16
+    q = torch.randn(8, 2, 16)
+    for bounds in ([0, 4, 4096], [0, 6, 3, 8], [], [1, 8], [0, 4]):
+        with pytest.raises(RuntimeError, match="cu_seqlens must rise from 0 to T = 8"):
+            ext.varlen_attention(q, q, q, bounds, 0.25, 0)
+    with pytest.raises(RuntimeError, match="k has shape"):
+        ext.varlen_attention(q, q.to(bf), q, [0, 8], 0.25, 0)
+    x1, g = torch.randn(4, 64, dtype=bf), torch.ones(64, dtype=bf)
+    for x2 in (torch.randn(1, 64, dtype=bf), torch.randn(4, 64)):
+        with pytest.raises(RuntimeError, match="x2 has shape"):
+            ext.quant(x1, x2, g, None, None, None, 1e-6, 127.0, -128.0)
+        with pytest.raises(RuntimeError, match="x2 has shape"):
+            ext.quant_static(x1, x2, g, None, 1e-6, 0.05, 0.0)
+    for bad, name in ((torch.ones(64), "gamma"), (torch.ones(63, dtype=bf), "gamma")):
+        with pytest.raises(RuntimeError, match=name):
+            ext.quant(x1, None, bad, None, None, None, 1e-6, 127.0, -128.0)
+    with pytest.raises(RuntimeError, match="smooth_scale1 has dtype"):
+        ext.quant(x1, None, g, torch.ones(64), None, None, 1e-6, 127.0, -128.0)
+    with pytest.raises(RuntimeError, match="up has shape"):
+        ext.swiglu_quant(x1, x1[:1], None, 0, 127.0, -128.0)
+    with pytest.raises(RuntimeError, match="activation_scale has 1 elements"):
+        ext.dequant_swiglu_quant(torch.ones(4, 64, dtype=torch.int32), torch.ones(64), torch.ones(1), None, None,
+                                 True, 127.0, -128.0)
+    qh = torch.randn(1, 2, 4, 8)
+    geometry = torch.tensor([1, 4, 8, 8, 1, 1] + [2, 64, 32, 8] * 4 + [32, 32, 8] * 2)  # as rope.Layout.geometry
+    cos = torch.randn(1, 4, 8)
+    ext.rope(qh, qh, cos, cos, geometry, [], 0, torch.float32, torch.float32, None, None)
+    with pytest.raises(RuntimeError, match="reaches element"):
+        ext.rope(qh, qh, cos[:, :2].clone(), cos, geometry, [], 0, torch.float32, torch.float32, None, None)
+    with pytest.raises(RuntimeError, match="reaches element"):
+        ext.rope(qh[:, :1].clone(), qh, cos, cos, geometry, [], 0, torch.float32, torch.float32, None, None)
+
+
 # Shapes whose rows, blocks or windows x heads split into several at::parallel_for chunks at these thread counts
 THREADED = [("rms_norm", {"R": (600,), "D": 200}), ("add_rms_norm_dynamic_quant", {"R": (600,), "D": 200}),
             ("dynamic_quant", {"R": (600,), "D": 200}),

@@ -349,3 +349,65 @@ def test_a_bound_call_validates_once_and_still_refuses_what_changed():
     assert y.requires_grad  # autograd took the custom op, not the eager shortcut
     with pytest.raises(ValueError, match="cast_mode: got 'bf16'"):
         OPS["rms_norm"].bind("cpu", stats, eps=1e-6, cast_mode="bf16")
+
+
+def _x2_like_refused(dtype_or_shape):
+    x1, g = torch.randn(4, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
+    x2 = torch.randn(1, 64, dtype=torch.bfloat16) if dtype_or_shape == "shape" else torch.randn(4, 64)
+    return x1, x2, g
+
+
+# calls every path must refuse (issue 45, item 1): (op, positional args, exception, message)
+UNSAFE_CALLS = [
+    ("varlen_attention", lambda: (*[torch.randn(8, 2, 16)] * 3, [0, 4, 4096], 0.25, "hf"), ValueError,
+     r"cu_seqlens: \[0, 4, 4096\]; expected window bounds rising from 0 to T = 8"),
+    ("varlen_attention", lambda: (*[torch.randn(8, 2, 16)] * 3, [0, 6, 3, 8], 0.25, "hf"), ValueError,
+     "cu_seqlens: .*rising from 0 to T = 8"),
+    ("add_rms_norm_dynamic_quant",
+     lambda: (*_x2_like_refused("shape"), None, None, None, 1e-6, "int8"), ValueError, r"x2: shape \(1, 64\)"),
+    ("add_rms_norm_dynamic_quant",
+     lambda: (*_x2_like_refused("dtype"), None, None, None, 1e-6, "int8"), TypeError, "x2: dtype float32 must match"),
+    ("add_rms_norm_quant", lambda: (*_x2_like_refused("shape"), torch.tensor([0.05]), None, None, 1e-6), ValueError,
+     r"x2: shape \(1, 64\)"),
+    ("add_rms_norm_quant", lambda: (*_x2_like_refused("dtype"), torch.tensor([0.05]), None, None, 1e-6), TypeError,
+     "x2: dtype float32 must match"),
+]
+UNSAFE_IDS = [f"{name}-{i}" for i, (name, *_rest) in enumerate(UNSAFE_CALLS)]
+
+
+@pytest.mark.parametrize("path", ["eager", "torch.ops", "compiled"])
+@pytest.mark.parametrize("name,make,exc,match", UNSAFE_CALLS, ids=UNSAFE_IDS)
+def test_every_path_refuses_what_the_entry_point_refuses(name, make, exc, match, path):
+    """The custom op's kernel validates as the entry point does: `torch.ops.pypto_gym.<op>` called directly and a
+    compiled graph reached the cpu kernel unchecked (a cu_seqlens bound past T read and wrote rows past the
+    buffers; an x2 of another shape or dtype read past its buffer or its bytes as bf16)."""
+    op, args = OPS[name], make()
+    stats = ops.Stats()
+    with pytest.raises(exc, match=match):
+        if path == "eager":
+            op.call(args, "cpu", stats)
+        elif path == "torch.ops":
+            getattr(torch.ops.pypto_gym, name)(*args, "cpu", stats.id)
+        else:
+            torch._dynamo.reset()
+            torch.compile(lambda *a: op.call(a, "cpu", stats), fullgraph=True)(*args)
+    assert not stats.ran
+
+
+def test_the_validation_cache_compares_list_arguments_by_value_and_type():
+    """A list mutated in place after a validated call is a new kind of call (the cache held the list itself, so the
+    mutated list skipped validation and reached the kernel); [0.0, 4.0, 8.0] after [0, 4, 8] is refused naming the
+    argument, not a raw TypeError from the kernel's binding. Both for the entry point and a site's bound call."""
+    op = OPS["varlen_attention"]
+    q = torch.randn(8, 2, 16)
+    bound = op.bind("cpu", ops.Stats(), scale=0.25, cast_mode="hf")
+    for call in (lambda cu: op(q, q, q, cu, 0.25, backend="cpu"), lambda cu: bound(q, q, q, cu)):
+        cu = [0, 4, 8]
+        call(cu)
+        call(cu)
+        cu[2] = 4096
+        with pytest.raises(ValueError, match=r"cu_seqlens: \[0, 4, 4096\]"):
+            call(cu)
+        call([0, 4, 8])
+        with pytest.raises(ValueError, match="cu_seqlens: got .*expected a list of non-negative ints"):
+            call([0.0, 4.0, 8.0])

@@ -1,5 +1,6 @@
 """Patching never harms the user's model, hooks or process (issue 11): each test failed before its fix."""
 import copy
+import functools
 import io
 import pickle
 import subprocess
@@ -12,6 +13,7 @@ import torch
 import pypto_gym
 from pypto_gym.ops import OPS, registry
 
+import models as tiny_models
 from models import logits, tiny_qwen3
 
 
@@ -227,3 +229,39 @@ def test_a_bad_switch_value_is_refused_naming_the_variable():
     out = subprocess.run([sys.executable, "-c", SWITCH_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode != 0
     assert "USE_PTO_RMS_NORM: got 'maybe'; expected one of 1/0, true/false, yes/no, on/off" in out.stderr
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_the_first_call_check_is_invisible_to_what_observes_the_model(family):
+    """The rewrite's first-call check runs a decoder layer's forward twice more (issue 45, item 6); transformers 4.57
+    records attentions and hidden states by wrapping module.forward around each call, so a fresh process's first
+    `output_attentions=True` call of a patched tiny Qwen3 returned 6 attentions for 4 layers. The check is forced
+    here (its per-process verdicts cleared) and must leave every observer's count as the unpatched model's: the
+    outputs recorded, a forward hook's calls, and a forward wrapper's calls."""
+    from pypto_gym.patching import rewrite
+
+    model = getattr(tiny_models, f"tiny_{family}")()
+    model.config._attn_implementation = "eager"  # attention weights are returned (sdpa returns none to record)
+    batch = {"input_ids": torch.tensor([[3, 14, 15, 92, 65, 35]])}
+    reference = copy.deepcopy(model)
+    layers = model.model.layers
+    seen = {"hook": 0, "wrapper": 0}
+    layers[1].self_attn.register_forward_hook(lambda *a: seen.__setitem__("hook", seen["hook"] + 1))
+    inner = layers[0].self_attn.o_proj.forward
+
+    @functools.wraps(inner)
+    def counting(*args, **kwargs):
+        seen["wrapper"] += 1
+        return inner(*args, **kwargs)
+
+    layers[0].self_attn.o_proj.forward = counting
+    pypto_gym.patch_model(model, backend="cpu", sites="text.*", strict=True)
+    rewrite._verified.clear()
+    with torch.no_grad():
+        got = model(**batch, output_attentions=True, output_hidden_states=True)
+        want = reference(**batch, output_attentions=True, output_hidden_states=True)
+    assert rewrite._verified and all(v is True for v in rewrite._verified.values())  # the check ran, and passed
+    assert len(got.attentions) == len(want.attentions) == len(layers)
+    assert len(got.hidden_states) == len(want.hidden_states) == len(layers) + 1
+    assert seen == {"hook": 1, "wrapper": 1}
+    assert layers[0].self_attn.o_proj.forward is counting  # set back after the check

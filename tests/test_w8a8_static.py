@@ -4,6 +4,7 @@ Goldens are independent of the code under test: hand-worked examples, integer pr
 format's own formulas (msModelSlim's: input_quant = input / input_scale + input_offset, output =
 (input_quant @ weight + quant_bias) * deq_scale). Accuracy and speed figures live in the benchmarks.
 """
+import copy
 import json
 import shutil
 
@@ -187,6 +188,32 @@ def test_every_linear_runs_static_codes_and_the_formats_epilogue(qwen3_calib, ba
     assert torch.equal(_logits(model, batch), ref)
 
 
+@pytest.mark.parametrize("change", ["load_state_dict", "in-place edit"])
+def test_a_static_model_follows_a_weight_changed_after_patching(qwen3_calib, change):
+    """Patched-then-edited equals edited-then-patched for every linear (issue 45, item 4): `refresh` quantised the
+    new weight but kept the old deq_scale wherever no output fold rebuilt it, so new codes ran under old scales
+    (down_proj x 2 gave logits identical to the unedited model's)."""
+    model, batch, _ = _qwen3()
+    gen = torch.Generator().manual_seed(3)
+    edits = {name: (p.float() * 2 if "down_proj" in name else p.float() + 0.02 * torch.randn(p.shape, generator=gen))
+             .to(p.dtype) for name, p in model.named_parameters() if name.endswith("proj.weight")}
+    edited = copy.deepcopy(model)
+    edited.load_state_dict(edits, strict=False)
+    patch_model(model, backend="cpu", quant="w8a8_static", calibration=qwen3_calib)
+    stale = _logits(model, batch)
+    with torch.no_grad():
+        if change == "load_state_dict":
+            model.load_state_dict(edits, strict=False)
+        else:
+            for name, value in edits.items():
+                model.get_parameter(name).copy_(value)
+    got = _logits(model, batch)
+    assert not torch.equal(got, stale)
+    report = patch_model(edited, backend="cpu", quant="w8a8_static", calibration=qwen3_calib)
+    assert report.to_json()["w8a8"]["summary"]["int8"] == 28
+    assert torch.equal(got, _logits(edited, batch))
+
+
 def test_the_static_scheme_needs_a_calibration_with_ranges(qwen3_calib, tmp_path):
     model, _, _ = _qwen3()
     with pytest.raises(ValueError, match=r"quant='w8a8_static': calibration is None; expected a calibration file"):
@@ -208,6 +235,33 @@ def test_the_static_scheme_needs_a_calibration_with_ranges(qwen3_calib, tmp_path
     save_file(tensors, str(damaged), metadata={"pypto_gym": json.dumps({**meta, "format": calibration.FORMAT},
                                                                        sort_keys=True)})
     with pytest.raises(ValueError, match=r"no tensor 'model.layers.0.input_layernorm.act_max'"):
+        patch_model(model, backend="cpu", quant="w8a8_static", calibration=damaged)
+
+
+@pytest.mark.parametrize("damage", ["min above max", "a zero range", "a linear's min above max"])
+def test_impossible_calibration_ranges_are_refused_naming_file_tensor_and_channel(qwen3_calib, tmp_path, damage):
+    """A channel with act_min > act_max, or a source whose whole range is 0, loaded without a word and ran the static
+    model at logits cosine 0.18-0.33 against float (issue 45, item 5)."""
+    tensors = load_file(str(qwen3_calib))
+    with safe_open(str(qwen3_calib), framework="pt") as f:
+        metadata = f.metadata()
+    source = "model.layers.1.post_attention_layernorm"
+    if damage == "min above max":
+        tensors[f"{source}.act_min"][5] = tensors[f"{source}.act_max"][5] + 1.0
+        match = (rf"calibration .*damaged.safetensors: tensors '{source}.act_min' and '{source}.act_max' give channel "
+                 rf"5 the range \[.*\] \(1 channels with min > max\)")
+    elif damage == "a zero range":
+        tensors[f"{source}.act_min"].zero_()
+        tensors[f"{source}.act_max"].zero_()
+        match = rf"damaged.safetensors: tensors '{source}.act_min' and '{source}.act_max' are 0 in every channel"
+    else:
+        source = next(n[:-len(".act_min")] for n in sorted(tensors) if n.endswith("o_proj.act_min"))
+        tensors[f"{source}.act_max"][0] = tensors[f"{source}.act_min"][0] - 1.0
+        match = rf"tensors '{source}.act_min' and '{source}.act_max' give channel 0"
+    damaged = tmp_path / "damaged.safetensors"
+    save_file(tensors, str(damaged), metadata=metadata)
+    model, _, _ = _qwen3()
+    with pytest.raises(ValueError, match=match):
         patch_model(model, backend="cpu", quant="w8a8_static", calibration=damaged)
 
 

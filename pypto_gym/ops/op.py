@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from . import dispatch, registry
-from .args import FLOAT_DTYPES, Arg, Context, Output, Tensor, _PLAIN
+from .args import FLOAT_DTYPES, Arg, Context, Ints, Output, Tensor, _PLAIN
 
 _is_compiling = torch.compiler.is_compiling
 _is_grad_enabled = torch.is_grad_enabled
@@ -100,6 +100,7 @@ class Op:
         self.impls: dict[str, Impl] = {}
         self.unsupported: dict[str, str] = {}
         self._last = (None, False)  # (signature, eager) of the last validated call
+        self._kernel_last = None  # signature of the last call the custom op's kernel validated
         self._layouts: dict = {}  # kind of call -> the golden's output layouts (empty_outputs)
         self.tensor_index = [i for i, a in enumerate(self.args) if isinstance(a, Tensor)]
         self.device_index = self.tensor_index[0]
@@ -154,14 +155,15 @@ class Op:
 
         Validation depends only on the arguments' types, dtypes, shapes, devices and scalar values, so a call
         whose signature equals the last validated one (a model calls an op with the same kind of arguments
-        hundreds of times) skips it, and the eager decision with it. While torch.compile traces, the
-        arguments are checked by the fake kernel (the golden) instead: the validation's Python would be
-        traced into every graph."""
+        hundreds of times) skips it, and the eager decision with it; list arguments are compared by their values
+        and types at the time of the call (`_frozen`), never by reference. While torch.compile traces, the
+        validation's Python would be traced into every graph: the custom op's kernel validates instead, when the
+        compiled graph runs it (`validated`), as it does for a direct `torch.ops.pypto_gym.<op>` call."""
         if _is_compiling():
             eager = False
         else:
             key = (_is_grad_enabled(), *[(type(a), a.dtype, a.shape, a.device, a.requires_grad)
-                                         if isinstance(a, torch.Tensor) else a for a in args])
+                                         if isinstance(a, torch.Tensor) else _frozen(a) for a in args])
             if key == self._last[0]:
                 eager = self._last[1]
             else:
@@ -173,6 +175,16 @@ class Op:
         if eager:
             return dispatch.call(self, backend, stats, args, into)
         return dispatch.written(self.from_custom(self.custom_op(*args, backend, stats.id), args), into)
+
+    def validated(self, args: tuple) -> None:
+        """The custom op's check of a call that reached its kernel (a compiled graph, autograd, or
+        `torch.ops.pypto_gym.<op>` called directly): the eager path's validation, so no path reaches a kernel with
+        what the entry point refuses; skipped for a call of the same kind as the last one validated here."""
+        key = tuple((type(a), a.dtype, a.shape, a.device) if isinstance(a, torch.Tensor) else _frozen(a)
+                    for a in args)
+        if key != self._kernel_last:
+            self.validate(args)
+            self._kernel_last = key
 
     def eager(self, args) -> bool:
         """True when dispatch may run without the dispatcher: not traced, no autograd graph to record,
@@ -265,6 +277,7 @@ class Op:
 
         def kernel(*values):
             args, backend, stats = values[:n], values[n], values[n + 1]
+            op.validated(args)
             return op._to_custom(dispatch.call(op, backend, dispatch.Stats.lookup(stats), args),
                                  args[op.device_index])
 
@@ -410,8 +423,10 @@ def _fast_path(op: Op, bound: tuple):
             kind.append(f"type(a{i}), a{i}.dtype, a{i}.shape, a{i}.device, a{i}.requires_grad")
         elif isinstance(a, Tensor):
             kind.append(f"_sig(a{i})")
+        elif isinstance(a, Ints):
+            kind.append(f"_frozen(a{i})")
         else:
-            kind.append(f"a{i}")
+            kind.append(f"type(a{i}), a{i}")
     args = ", ".join(f"a{i}" if not b else f"t[{i}]" for i, b in enumerate(bound))
     unpack = ", ".join(names) + ("," if len(names) == 1 else "")
     source = (f"def fast(b, free, into):\n"
@@ -428,7 +443,7 @@ def _fast_path(op: Op, bound: tuple):
               f"        return _run(b.op, b._plan[0], b.stats, args, into)\n"
               f"    return b.slow(key, args, into)\n")
     namespace = {"_grad": _is_grad_enabled, "_compiling": _is_compiling, "_run": dispatch.run, "_sig": _sig,
-                 "_generation": registry.GENERATION}
+                 "_frozen": _frozen, "_generation": registry.GENERATION}
     exec(compile(source, f"<pypto_gym bound {op.name}>", "exec"), namespace)  # noqa: S102 - our own text
     _FAST_PATHS[cache_key] = namespace["fast"]
     return namespace["fast"]
@@ -436,3 +451,12 @@ def _fast_path(op: Op, bound: tuple):
 
 def _sig(t):
     return None if t is None else (type(t), t.dtype, t.shape, t.device, t.requires_grad)
+
+
+def _frozen(value):
+    """A scalar or list argument as a validation cache compares it: with its type (1 and 1.0, True and 1 are
+    validated apart), and a list as a tuple of its elements now (a list mutated in place after a call is a new
+    kind of call, not the same object)."""
+    if isinstance(value, (list, tuple)):
+        return tuple((type(v), v) for v in value)
+    return type(value), value

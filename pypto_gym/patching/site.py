@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -223,18 +224,35 @@ def has_hooks(module: torch.nn.Module) -> bool:
 
 @contextlib.contextmanager
 def torch_hooks_set_aside(module: torch.nn.Module):
-    """Inside: no torch forward hook of `module`, its descendants or global ones fires (a probe or a check
-    runs a module without the user seeing extra calls); accelerate's hooks live in forward and stay."""
+    """Inside: nothing that observes `module` or its descendants sees a call (a probe or a first-call check runs
+    a module without the user seeing extra calls): no torch forward hook (the modules' own and global ones) fires,
+    and a per-call forward wrapper is peeled off: an instance `forward` that is a plain function wrapping another
+    (`__wrapped__`), as transformers 4.57's output recorders install around each model call to collect attentions
+    and hidden states (a check that ran a layer twice returned 6 attentions for 4 layers). accelerate's hook (a
+    functools.partial in forward) and pypto-gym's own sites stay: they compute, they do not observe."""
     hook_dicts = [d for m in module.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
     hook_dicts += [_nn_module._global_forward_hooks, _nn_module._global_forward_pre_hooks]
     saved = [(d, dict(d)) for d in hook_dicts]
+    wrapped = [(m, m.__dict__["forward"]) for m in module.modules() if _observer(m.__dict__.get("forward"))]
     try:
         for d in hook_dicts:
             d.clear()
+        for m, f in wrapped:
+            inner = f
+            while _observer(inner):
+                inner = inner.__wrapped__
+            m.__dict__["forward"] = inner
         yield
     finally:
         for d, items in saved:
             d.update(items)
+        for m, f in wrapped:
+            m.__dict__["forward"] = f
+
+
+def _observer(forward) -> bool:
+    """A forward wrapper that only observes: a plain function made with functools.wraps around another forward."""
+    return isinstance(forward, types.FunctionType) and hasattr(forward, "__wrapped__")
 
 
 def site_of(module: torch.nn.Module) -> Site | None:

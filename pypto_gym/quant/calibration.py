@@ -269,11 +269,27 @@ def load(path, expected: dict, model_type: str | None = None, known=(), unsmooth
             if lacking:
                 raise ValueError(f"{where}: no tensor {norm + lacking[0]!r} (the file holds other sources' ranges: "
                                  f"it must hold every one)")
-            ranges[norm] = (got[".act_min"], got[".act_max"])
+            ranges[norm] = _possible_range(where, norm, got[".act_min"], got[".act_max"])
         for lin in sorted(set(bounds) - set(expected)):
             if all(k in bounds[lin] for k in RANGE_SUFFIXES):
-                ranges[lin] = (bounds[lin][".act_min"], bounds[lin][".act_max"])
+                ranges[lin] = _possible_range(where, lin, bounds[lin][".act_min"], bounds[lin][".act_max"])
     return out, sorted(set(ignored)), ranges
+
+
+def _possible_range(where: str, source: str, lo: torch.Tensor, hi: torch.Tensor) -> tuple:
+    """(lo, hi) of a source's rows, refused where no rows could have it: a channel whose minimum is above its
+    maximum, or a source whose every channel's range is 0 (its rows were never seen: a static scale from it maps
+    every real value to the clamp; such files ran the model at logits cosine 0.2-0.3)."""
+    inverted = lo > hi
+    if inverted.any():
+        c = int(inverted.nonzero()[0, 0])
+        raise ValueError(f"{where}: tensors '{source}.act_min' and '{source}.act_max' give channel {c} the range "
+                         f"[{float(lo[c]):g}, {float(hi[c]):g}] ({int(inverted.sum())} channels with min > max); "
+                         f"expected act_min <= act_max")
+    if not (lo != 0).any() and not (hi != 0).any():
+        raise ValueError(f"{where}: tensors '{source}.act_min' and '{source}.act_max' are 0 in every channel (a range "
+                         f"of width 0: no rows were recorded for {source}); expected the range its rows spanned")
+    return lo, hi
 
 
 def recipe_of(path) -> dict | None:

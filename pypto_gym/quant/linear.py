@@ -155,6 +155,8 @@ class QuantLinear(SwappedForward):
             self.out_fold = f if self.out_fold is None else self.out_fold * f
         if self.out_fold is not None:
             self.deq_scale = (self.deq_base.float() * self.out_fold.to(self.deq_base.device)).to(torch.float32)
+        else:  # no fold: the scale is deq_base itself (after `refresh`, the new one: the old left new codes mis-scaled)
+            self.deq_scale = self.deq_base
 
     def release(self) -> None:
         """Drop the float weight (a deployment): the module's `weight` becomes a meta tensor of its shape and

@@ -45,12 +45,25 @@ void norm_rows(const at::Tensor& x, const at::Tensor* x2, at::Tensor* xo, const 
   });
 }
 
+// x a float tensor; x2 (the add forms) of x's shape and dtype; gamma and the optional vectors D elements of x's dtype
+// (norm_rows reads them as x's storage type)
+void check_operands(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& x2, const at::Tensor& gamma,
+                    std::initializer_list<std::pair<const char*, const c10::optional<at::Tensor>*>> vectors) {
+  check_float(op, "x", x);
+  if (x2.has_value()) check_like(op, "x2", *x2, x, "x1");
+  check_vector(op, "gamma", gamma, x.size(-1), x.scalar_type());
+  for (const auto& [name, t] : vectors) check_vector(op, name, *t, x.size(-1), x.scalar_type());
+}
+
 std::vector<c10::optional<at::Tensor>> quant_entry(const at::Tensor& x_in, const c10::optional<at::Tensor>& x2_in,
                                                    const at::Tensor& gamma, const c10::optional<at::Tensor>& s1_in,
                                                    const c10::optional<at::Tensor>& s2_in,
                                                    const c10::optional<at::Tensor>& beta_in, double eps, double qmax,
                                                    double qmin) {
+  TORCH_CHECK(x_in.dim() >= 1, "add_rms_norm_dynamic_quant: x has no dims");
   const int64_t D = x_in.size(-1);
+  check_operands("add_rms_norm_dynamic_quant", x_in, x2_in, gamma, {{"smooth_scale1", &s1_in}, {"smooth_scale2", &s2_in},
+                                                                    {"beta", &beta_in}});
   auto rows = x_in.sizes().vec();
   rows.pop_back();
   at::Tensor x = x_in.contiguous(), g = gamma.reshape({D}).contiguous();
@@ -91,7 +104,9 @@ std::vector<c10::optional<at::Tensor>> quant_static_entry(const at::Tensor& x_in
                                                           const at::Tensor& gamma,
                                                           const c10::optional<at::Tensor>& beta_in, double eps,
                                                           double scale, double offset) {
+  TORCH_CHECK(x_in.dim() >= 1, "add_rms_norm_quant: x has no dims");
   const int64_t D = x_in.size(-1);
+  check_operands("add_rms_norm_quant", x_in, x2_in, gamma, {{"beta", &beta_in}});
   at::Tensor x = x_in.contiguous(), g = gamma.reshape({D}).contiguous(), x2, xo, beta;
   if (x2_in.has_value()) {
     x2 = x2_in->contiguous();

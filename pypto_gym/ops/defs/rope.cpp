@@ -63,6 +63,35 @@ struct Geometry {
   int64_t Oc() const { return g[5]; }
   const int64_t* heads(int which) const { return g + 6 + 4 * which; }  // q, k, out_q, out_k
   const int64_t* angles(int which) const { return g + 22 + 3 * which; }  // cos, sin
+
+  // Every element the layout reaches lies inside its tensor's storage, and the sections cover the angles' E / 2
+  // columns: the geometry comes from Python, and a kernel must not trust it with memory (common.h's check_reach).
+  void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& oq, const at::Tensor& ok,
+             const at::Tensor& cos, const at::Tensor& sin, const std::vector<int64_t>& sections) const {
+    TORCH_CHECK(O() > 0 && I() > 0 && D() > 0 && E() > 0 && E() % 2 == 0 && E() <= D() && Oc() >= 1 && Oc() <= O(),
+                "rope: geometry O ", O(), ", I ", I(), ", D ", D(), ", E ", E(), ", Oc ", Oc(), " is not a layout");
+    const at::Tensor* tensors[4] = {&q, &k, &oq, &ok};
+    const char* names[4] = {"q", "k", "out_q", "out_k"};
+    for (int w = 0; w < 4; ++w) {
+      const int64_t* h = heads(w);
+      TORCH_CHECK(h[0] >= 1 && h[1] >= 0 && h[2] >= 0 && h[3] >= 0, "rope: ", names[w], "'s layout is not a layout");
+      check_reach("rope", names[w], *tensors[w], (O() - 1) * h[1] + (h[0] - 1) * h[2] + (I() - 1) * h[3] + D() - 1);
+    }
+    int64_t half = 0;
+    for (int64_t n : sections) {
+      TORCH_CHECK(n >= 0, "rope: a negative section");
+      half += n;
+    }
+    TORCH_CHECK(sections.empty() || 2 * half == E(), "rope: sections cover ", 2 * half, " columns of ", E());
+    const int64_t planes = sections.empty() ? 1 : std::min<int64_t>(3, 2 * (int64_t)sections.size());
+    const at::Tensor* angle[2] = {&cos, &sin};
+    for (int w = 0; w < 2; ++w) {
+      const int64_t* a = angles(w);
+      TORCH_CHECK(a[0] >= 0 && a[1] >= 0 && a[2] >= 0, "rope: the angles' layout is not a layout");
+      check_reach("rope", w ? "sin" : "cos", *angle[w], (planes - 1) * a[0] + (Oc() - 1) * a[1] + (I() - 1) * a[2] +
+                                                            E() - 1);
+    }
+  }
 };
 
 // One [O, H, I, D] tensor's rows.
@@ -152,6 +181,7 @@ std::tuple<at::Tensor, at::Tensor> rope_entry(const at::Tensor& q, const at::Ten
   auto [oq, ok] = outputs(q, k, dq, dk, out_q, out_k);
   if (q.numel() == 0 || k.numel() == 0) return {oq, ok};
   const Geometry geo(geometry);
+  geo.check(q, k, oq, ok, cos, sin, sections);
   const int64_t E = geo.E(), D = geo.D();
   const bool to_float = oq.scalar_type() == at::kFloat && q.scalar_type() != at::kFloat;
   dispatch_dtype(q.scalar_type(), [&](auto xt) {
@@ -321,6 +351,9 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_entry(
                   kw.is_contiguous(), "qk_norm_rope: contiguous weights in q's dtype expected");
   if (q.numel() == 0 || k.numel() == 0) return {oq, ok};
   const Geometry geo(geometry);
+  geo.check(q, k, oq, ok, cos, sin, sections);
+  check_vector("qk_norm_rope", "q_weight", qw, geo.D());
+  check_vector("qk_norm_rope", "k_weight", kw, geo.D());
   const int64_t E = geo.E(), D = geo.D();
   const bool to_float = oq.scalar_type() == at::kFloat && q.scalar_type() != at::kFloat;
   const bool hf = mode == HF;

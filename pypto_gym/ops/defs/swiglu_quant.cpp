@@ -30,8 +30,8 @@ void swiglu_row_f32(const typename X::T* g, const typename X::T* u, const float*
 std::vector<at::Tensor> swiglu_quant_entry(const at::Tensor& gate_in, const at::Tensor& up_in,
                                            const c10::optional<at::Tensor>& smooth_in, int64_t mode, double qmax,
                                            double qmin) {
-  TORCH_CHECK(gate_in.sizes() == up_in.sizes() && gate_in.scalar_type() == up_in.scalar_type(),
-              "swiglu_dynamic_quant: gate and up must have one shape and dtype");
+  TORCH_CHECK(gate_in.dim() >= 1, "swiglu_dynamic_quant: gate has no dims");
+  check_like("swiglu_dynamic_quant", "up", up_in, gate_in, "gate");
   const int64_t I = gate_in.size(-1);
   auto row_shape = gate_in.sizes().vec();
   row_shape.pop_back();
@@ -111,7 +111,11 @@ std::vector<at::Tensor> dequant_swiglu_quant_entry(const at::Tensor& x_in, const
                                                    const c10::optional<at::Tensor>& bias_in,
                                                    const c10::optional<at::Tensor>& quant_scale_in, bool activate_left,
                                                    double qmax, double qmin) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == at::kInt && x_in.size(-1) % 2 == 0,
+              "dequant_swiglu_quant: x must be int32 [..., N] with N even, got ", x_in.sizes(), " ", x_in.scalar_type());
   const int64_t N = x_in.size(-1), H = N / 2;
+  TORCH_CHECK(activation_scale.numel() == x_in.numel() / std::max<int64_t>(N, 1), "dequant_swiglu_quant: ",
+              "activation_scale has ", activation_scale.numel(), " elements; expected one per row of x");
   auto row_shape = x_in.sizes().vec();
   row_shape.pop_back();
   auto out_shape = row_shape;

@@ -640,8 +640,18 @@ at::Tensor varlen_attention_entry(const at::Tensor& q_in, const at::Tensor& k_in
                                   const std::vector<int64_t>& cu_seqlens, double scale, int64_t mode) {
   auto last_dim_dense = [](const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };
   const at::Tensor q = last_dim_dense(q_in), k = last_dim_dense(k_in), v = last_dim_dense(v_in);
-  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
-              "varlen_attention: q, k and v must be [T, H, D] of one shape");
+  TORCH_CHECK(q.dim() == 3, "varlen_attention: q has shape ", q.sizes(), "; expected [T, H, D]");
+  check_float("varlen_attention", "q", q);
+  check_like("varlen_attention", "k", k, q, "q");
+  check_like("varlen_attention", "v", v, q, "q");
+  // the bounds index q, k, v and y: rising from 0 to T (a bound past T read and wrote rows past the buffers)
+  const int64_t T = q.size(0);
+  bool rising = !cu_seqlens.empty() && cu_seqlens.front() == 0 && cu_seqlens.back() == T;
+  for (size_t w = 0; rising && w + 1 < cu_seqlens.size(); ++w) rising = cu_seqlens[w] <= cu_seqlens[w + 1];
+  TORCH_CHECK(rising, "varlen_attention: cu_seqlens must rise from 0 to T = ", T, ", got ", cu_seqlens.size(),
+              " bounds from ", cu_seqlens.empty() ? -1 : cu_seqlens.front(), " to ",
+              cu_seqlens.empty() ? -1 : cu_seqlens.back());
+  TORCH_CHECK(mode == HF || mode == FP32, "varlen_attention: mode ", mode, "; expected 0 (hf) or 1 (fp32)");
   at::Tensor y = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t H = q.size(1);
   std::vector<Task> tasks;

@@ -84,6 +84,9 @@ inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vgamma(const float* p) { return _mm512_loadu_ps(p); }
 inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
 inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
+// vmaxf / vminf / vhmax are MAXPS / MINPS: a NaN in `a` is dropped (the second operand is returned). Their callers
+// keep NaN out (clamps of rinted codes) or track it themselves (quantize_row's nan bits; an attention row's NaN
+// reaches its sum through vexp).
 inline V vmaxf(V a, V b) { return _mm512_max_ps(a, b); }
 inline V vabs(V a) { return _mm512_abs_ps(a); }
 inline float vhmax(V a) { return _mm512_reduce_max_ps(a); }
@@ -96,8 +99,12 @@ inline int vnan_bits(V a) { return (int)_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); 
 inline void vstore_i8(int8_t* p, V q) { _mm_storeu_si128((__m128i*)p, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q))); }
 // exp(x): Cephes' polynomial after x = n ln2 + r, scaled by 2^n with vscalefps (which gives +inf past
 // 88.7228 as expf does, and 0 far below); below -87.3 the argument is clamped (for silu, 1 + that == 1).
-inline V vexp(V x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+// NaN stays NaN and +inf gives +inf, as expf: MAXPS returns its second operand when either is NaN, so the
+// argument goes second (a clamp written max(x, c) turned exp(NaN) into exp(-87.3) and dropped a NaN key's NaN from
+// an attention row's sum), and r = x - n ln2 is inf - inf at +inf, so that lane is set apart.
+inline V vexp(V x_in) {
+  const __mmask16 over = _mm512_cmp_ps_mask(x_in, _mm512_set1_ps(88.72283935546875f), _CMP_GT_OQ);
+  V x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x_in);
   V fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   V r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
@@ -109,7 +116,7 @@ inline V vexp(V x) {
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(y, fx);
+  return _mm512_mask_mov_ps(_mm512_scalef_ps(y, fx), over, _mm512_set1_ps(INFINITY));
 }
 struct DAcc {  // 16 double lanes
   __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
@@ -200,10 +207,11 @@ inline void vstore_i8(int8_t* p, V q) {  // int32 -> int16 -> int8, saturating, 
   __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
   _mm_storel_epi64((__m128i*)p, _mm_packs_epi16(w, w));
 }
-// exp(x): as the AVX-512 version (Cephes' polynomial, 2^(n-1) * 2, +inf above 88.7228, clamped below -87.3)
+// exp(x): as the AVX-512 version (Cephes' polynomial, 2^(n-1) * 2, +inf above 88.7228, clamped below -87.3, NaN
+// kept: the argument second in MAXPS)
 inline V vexp(V x) {
   const V over = _mm256_cmp_ps(x, _mm256_set1_ps(88.72283935546875f), _CMP_GT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);
   V fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
   V r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
   r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
@@ -463,6 +471,32 @@ inline V vsilu(V g) { return vdiv(g, vadd(vset(1.0f), vexp(vsub(vset(0.0f), g)))
 #endif
 
 inline int64_t grain_for(int64_t D) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)); }
+
+// ---- argument checks every entry point makes of what it indexes with, whatever its Python caller checked (memory
+// safety must not depend on the Python layer: torch.ops.pypto_gym.* and compiled graphs reach the kernels too)
+inline void check_like(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x,
+                       const char* x_name) {
+  TORCH_CHECK(t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() && t.device() == x.device(), op, ": ", name,
+              " has shape ", t.sizes(), " and dtype ", t.scalar_type(), "; expected ", x_name, "'s ", x.sizes(), " and ",
+              x.scalar_type());
+}
+// a per-channel vector of D elements (any singleton dims), of `dtype` when the kernel reads it as x's storage type
+inline void check_vector(const char* op, const char* name, const c10::optional<at::Tensor>& t, int64_t D,
+                         c10::optional<at::ScalarType> dtype = c10::nullopt) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->numel() == D, op, ": ", name, " has ", t->numel(), " elements (shape ", t->sizes(), "); expected ", D);
+  TORCH_CHECK(!dtype.has_value() || t->scalar_type() == *dtype, op, ": ", name, " has dtype ", t->scalar_type(),
+              "; expected ", *dtype);
+}
+// the elements a kernel reaches from t's data pointer, offsets 0 .. last, lie inside t's storage
+inline void check_reach(const char* op, const char* name, const at::Tensor& t, int64_t last) {
+  const int64_t room = (int64_t)(t.storage().nbytes() / t.element_size()) - t.storage_offset();
+  TORCH_CHECK(last < room, op, ": ", name, "'s layout reaches element ", last, " of a storage holding ", room);
+}
+inline void check_float(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
+              op, ": ", name, " has dtype ", t.scalar_type(), "; expected float32, float16 or bfloat16");
+}
 
 template <class F>
 void dispatch_dtype(at::ScalarType t, F&& f) {
