@@ -179,6 +179,24 @@ def test_an_interrupted_or_failed_export_leaves_nothing(tmp_path, monkeypatch):
     assert set(modes.values()) == {0o666 & ~umask}, modes  # the weights file too (save_pretrained wrote it 0600)
 
 
+def test_an_export_into_a_symlink_goes_into_the_directory_it_names(tmp_path):
+    """A symlink to an empty directory ran the whole export, then failed with "Not a directory" renaming the staged
+    folder over the link (issue 45, item 8): the export now goes into the directory the link names; a link to
+    nothing is refused before any work."""
+    family = models.FAMILIES["qwen3"]
+    model, processor = family.load(family.TINY_DIR, "float32", "cpu")
+    patch_model(model, backend="cpu", quant="w8a8")
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    export.save(model, tmp_path / "link", processor)
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "target"]  # no staging folder left
+    assert export.load(tmp_path / "link")[0] is not None
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="dangling is a symlink to .*nowhere, which does not exist"):
+        export.check_out_dir(tmp_path / "dangling")
+
+
 @pytest.mark.parametrize("out,needle", [("missing/parent/out", "does not exist (create it first)"),
                                         ("afile", "is a file"), ("full", "exists and is not empty"),
                                         ("ro/out", "cannot write in")])

@@ -897,3 +897,20 @@ def test_a_model_without_float_weights_still_takes_cpu_and_dtype_moves(tiny_load
     with pytest.raises(RuntimeError, match="has no float weight and its int8 one is on cpu; moving it to meta is not "
                                            "supported"):
         model.to("meta")
+
+
+def test_a_w8a8_model_deep_copies_and_the_copy_runs_for_itself(tiny_loaded, sample_inputs):
+    """copy.deepcopy of a W8A8-patched model raised torch's "only graph leaves" error (issue 45, item 7): the
+    weight sample refresh compares was a view of the Parameter, an autograd node. The copy computes what the
+    model does and counts its own calls."""
+    model = copy.deepcopy(tiny_loaded[0])
+    report = patch_model(model, backend="cpu", quant="w8a8")
+    want = _logits(model, sample_inputs)
+    twin = copy.deepcopy(model)
+    calls = report.to_json()["summary"]["calls"]
+    assert torch.equal(_logits(twin, sample_inputs), want)
+    assert report.to_json()["summary"]["calls"] == calls  # the copy's sites count for the copy
+    with torch.no_grad():
+        twin.get_parameter("model.language_model.layers.0.mlp.down_proj.weight").mul_(2)
+    assert not torch.equal(_logits(twin, sample_inputs), want)
+    assert torch.equal(_logits(model, sample_inputs), want)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -186,8 +187,16 @@ def deq_scale_from_int64(deq: torch.Tensor) -> torch.Tensor:
 
 def check_out_dir(out_dir) -> Path:
     """The export's folder, refused in one line before any work: not empty, a file, a missing parent (not created,
-    as `cp` does not), an unwritable parent (the export is staged beside it)."""
+    as `cp` does not), an unwritable parent (the export is staged beside it). A symlink is followed: the export
+    goes into the directory it names, staged beside that one (the link stays a link; staging beside the link and
+    renaming over it failed with "Not a directory" after the whole export)."""
     out = Path(out_dir)
+    if out.is_symlink():
+        target = Path(os.path.realpath(out))
+        if not target.exists():
+            raise FileNotFoundError(f"export: {out} is a symlink to {target}, which does not exist; expected a new or "
+                                    f"empty directory")
+        out = target
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"export: {out} is a file; expected a new or empty directory")
     if out.is_dir() and any(out.iterdir()):
@@ -588,7 +597,7 @@ def _static_tensors(where: str, tensors: dict) -> dict:
         if not (torch.isfinite(scale).all() and float(scale) > 0):
             raise ValueError(f"{name}input_scale' is {float(scale)!r}; expected a finite value > 0")
         o = float(offset)
-        if not (o == round(o) and -128 <= o <= 127):
+        if not (math.isfinite(o) and o == round(o) and -128 <= o <= 127):  # round(NaN) raised its own error
             raise ValueError(f"{name}input_offset' is {o!r}; expected an integer in int8's range [-128, 127]")
         if deq.dtype == torch.int64:
             if deq.numel() and (deq.min() < -2 ** 31 or deq.max() >= 2 ** 31):

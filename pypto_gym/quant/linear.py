@@ -115,9 +115,11 @@ class QuantLinear(SwappedForward):
     def _float_weight_now(self):
         """What says the float weight is the one quantised: the Parameter, its version counter (in-place edits:
         load_state_dict, no_grad updates), its storage, and a strided sample of its values (an edit through
-        `.data`, as peft's LoRA merge does, bumps no version counter)."""
+        `.data`, as peft's LoRA merge does, bumps no version counter). The sample is a view of the detached weight:
+        a view of the Parameter itself is an autograd node, which copy.deepcopy of the model refuses."""
         w = self.module._parameters["weight"]
-        sample = None if w.is_meta or w.dim() != 2 else w[::max(1, w.shape[0] // 4), ::max(1, w.shape[1] // 4)]
+        sample = None if w.is_meta or w.dim() != 2 else \
+            w.detach()[::max(1, w.shape[0] // 4), ::max(1, w.shape[1] // 4)]
         return w, w._version, w.data_ptr(), sample, None if sample is None else sample.clone()
 
     def refresh(self) -> None:
