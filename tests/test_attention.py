@@ -140,6 +140,30 @@ def test_a_call_needing_gradients_runs_hfs_loop_and_counts_it(tiny_loaded):
     assert all(r["fusion_bypassed"] == {"autograd: varlen_attention has no backward": 1} for r in rows), rows
 
 
+def test_an_eager_configured_tower_keeps_hfs_eager_attention(tiny_loaded):
+    """varlen_attention's golden is HF's per-window sdpa; a model loaded with attn_implementation="eager" computes
+    the softmax another way, so its vision attention is not patched (issue 45, item 10: the torch backend was not
+    bit-identical to the eager model), said with the reason; one switched to eager after patching declines per call,
+    counted. Either way the tower's output is the eager model's own, bit for bit."""
+    model, vision, pixels, grid = _tower("qwen2_5_vl", tiny_loaded)
+    model.config.vision_config._attn_implementation = "eager"
+    want = _run(vision, pixels, grid)
+    report = pypto_gym.patch_model(model, backend="torch").to_json()
+    rows = [r for r in report["sites"] if r["kind"] == "vision.attention"]
+    assert len(rows) == 4 and all(r["status"] == "skipped" and "attention implementation 'eager' configured: "
+                                  "varlen_attention's golden is sdpa's math" in r["reason"] for r in rows), rows
+    assert all(torch.equal(g, w) for g, w in zip(_run(vision, pixels, grid), want))
+    pypto_gym.unpatch_model(model)
+    model.config.vision_config._attn_implementation = "sdpa"
+    report = pypto_gym.patch_model(model, backend="torch")
+    model.config.vision_config._attn_implementation = "eager"
+    assert all(torch.equal(g, w) for g, w in zip(_run(vision, pixels, grid), want))
+    rows = [r for r in report.to_json()["sites"] if r["kind"] == "vision.attention"]
+    assert all(r["calls"] == 0 and r["fusion_bypassed"] == {"attention implementation 'eager' configured: "
+                                                            "varlen_attention's golden is sdpa's math": 1}
+               for r in rows), rows
+
+
 def test_unpatch_is_exact_and_the_attention_site_needs_its_rope_site(tiny_loaded):
     model, vision, pixels, grid = _tower("qwen2_5_vl", tiny_loaded)
     attn = vision.blocks[0].attn

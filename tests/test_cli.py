@@ -100,6 +100,19 @@ def test_a_sites_glob_that_matches_nothing_is_an_error(capsys):
     assert "generated:" not in stdout
 
 
+def test_a_sites_glob_naming_a_kind_that_needs_another_says_what_it_needs(capsys):
+    """`--sites vision.attention` alone "matched none of the 43 sites" while the report lists that kind (issue 45,
+    item 13): the vision attention runs inside its vision.rope site's rewrite; the line says so, and selecting both
+    patches it."""
+    rc, stdout, err, _ = run_cli(capsys, "infer", "--use_pto", "--sites", "vision.attention", "--max-new-tokens", "1")
+    one_line_error(rc, err, "--sites: 'vision.attention' selects sites none of which can be patched as selected "
+                            "(vision.attention: runs inside its vision.rope site, which sites= does not select "
+                            "(add vision.rope))")
+    rc, stdout, err, _ = run_cli(capsys, "infer", "--use_pto", "--sites", "vision.attention,vision.rope",
+                                 "--max-new-tokens", "1")
+    assert rc == 0 and "4/4 vision attention sites patched" in stdout
+
+
 def test_environment_switches_are_parsed_by_one_rule(monkeypatch):
     from pypto_gym.cli import build_parser
     from pypto_gym.cli.common import patch_options

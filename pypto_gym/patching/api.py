@@ -31,11 +31,16 @@ class PatchError(ValueError):
 class NoSitesError(PatchError):
     """A `sites` selection (the argument, or $PYPTO_GYM_SITES) that matches none of the model's sites."""
 
-    def __init__(self, patterns, source: str, candidates: int, kinds):
+    def __init__(self, patterns, source: str, candidates: int, kinds, declined: dict | None = None):
         self.patterns, self.source, self.candidates, self.kinds = list(patterns), source, candidates, sorted(kinds)
+        self.declined = dict(declined or {})  # kind -> why the sites of that kind the selection names cannot be patched
         super().__init__(self.describe(source))
 
     def describe(self, source: str) -> str:
+        if self.declined:  # it names sites, none of which can be patched as selected: say what they need
+            why = "; ".join(f"{kind}: {reason}" for kind, reason in sorted(self.declined.items()))
+            return (f"{source}: {','.join(self.patterns)!r} selects sites none of which can be patched as selected "
+                    f"({why}); nothing was patched")
         return (f"{source}: {','.join(self.patterns)!r} matched none of the {self.candidates} sites of this model "
                 f"(kinds here: {', '.join(self.kinds)}); nothing was patched")
 
@@ -138,7 +143,8 @@ def patch_model(model: torch.nn.Module, backend: str | None = None, sites=None, 
     state = PatchState(options)
     found = [c for rule in RULES for c in rule.candidates(model, options)]
     if options.sites and not any(not c.reason and selected(c, options.sites) for c in found):
-        raise NoSitesError(options.sites, options.sites_from, len(found), {c.kind for c in found})
+        declined = {c.kind: c.reason for c in found if c.reason and selected(c, options.sites)}
+        raise NoSitesError(options.sites, options.sites_from, len(found), {c.kind for c in found}, declined)
     try:
         for cand in found:
             if cand.reason:

@@ -80,8 +80,11 @@ class AttentionSite(Site):
 
     @staticmethod
     def _declines(module, q, k, v, cu_seqlens) -> str:
-        if "flash" in str(getattr(getattr(module, "config", None), "_attn_implementation", "")):
+        impl = attention_implementation(module)
+        if "flash" in str(impl):
             return "flash attention configured: HF makes one call already"
+        if impl not in SDPA:  # set after patching (set_attn_implementation): the rule declined it at patch time
+            return f"attention implementation {impl!r} configured: varlen_attention's golden is sdpa's math"
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             return "autograd: varlen_attention has no backward"
         if module.training and getattr(module, "attention_dropout", 0.0):
@@ -89,6 +92,14 @@ class AttentionSite(Site):
         if q.dim() != 4 or q.shape[0] != 1:
             return f"q of shape {tuple(q.shape)}; expected HF's [1, H, T, D]"
         return ""
+
+
+SDPA = (None, "sdpa")  # what varlen_attention's golden (HF's per-window sdpa loop) is the math of
+
+
+def attention_implementation(module):
+    """The attention implementation a vision attention's config names (None where it names none: sdpa)."""
+    return getattr(getattr(module, "config", None), "_attn_implementation", None)
 
 
 class AttentionRule(Rule):
@@ -104,9 +115,13 @@ class AttentionRule(Rule):
         if rope is None or rope.reason:
             cand.reason = f"its rotary call is not a rope site ({rope.reason if rope else 'none found'})"
         elif options is not None and selected(cand, options.sites) and not selected(rope, options.sites):
-            cand.reason = f"runs inside its {rope.kind} site, which sites= does not select"
+            cand.reason = f"runs inside its {rope.kind} site, which sites= does not select (add {rope.kind})"
         else:
             cand.reason = RopeSite.rewrite(type(module), fused=False, attention=True)[2]
+        impl = attention_implementation(module)
+        if not cand.reason and impl not in SDPA and "flash" not in str(impl):
+            # eager rounds the softmax's exps differently from sdpa: the torch backend would not be the model's math
+            cand.reason = f"attention implementation {impl!r} configured: varlen_attention's golden is sdpa's math"
         return cand
 
 
