@@ -208,12 +208,85 @@ def test_unreadable_case_files_are_refused_naming_the_file(capsys, tmp_path, con
         one_line_error(rc, err, str(path), needle)
 
 
+def _sigint_default():
+    """In the child: Ctrl-C's default disposition, as a terminal gives it, whatever this runner was started with (a
+    suite started in the background, `nohup ... &`, ignores SIGINT and its children inherit that; issue 45, item
+    14: the capture then finished with rc 0)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_ctrl_c_in_the_first_seconds_of_export_says_nothing_was_written(tmp_path):
+    """Ctrl-C while the command starts (parsing, importing torch and transformers, loading) printed a 20-52 line
+    KeyboardInterrupt traceback or aborted in torch's C++ initialisers (issue 45, item 12): one line, exit 130, at
+    every moment tried."""
+    import signal
+
+    for i, seconds in enumerate((0.2, 0.4, 0.7, 1.0, 1.5, 2.5)):
+        out = tmp_path / f"out{i}"
+        proc = subprocess.Popen([sys.executable, "-m", "pypto_gym.cli", "export", str(out)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
+        time.sleep(seconds)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        lines = [line for line in err.splitlines() if line.strip() and "Loading weights" not in line
+                 and "Writing model shards" not in line]
+        if proc.returncode == 0:  # finished before the signal (a fast machine): nothing to say about Ctrl-C
+            continue
+        assert proc.returncode == 130 and lines == ["pypto-gym export: interrupted; nothing written"], (seconds, err)
+        assert not out.exists()
+
+
+def test_the_parser_imports_neither_torch_nor_transformers():
+    """`pypto-gym --help`, a bad flag, and Ctrl-C while parsing need no seconds of imports: building the parser and
+    parsing every command's line imports neither."""
+    code = ("import sys\nfrom pypto_gym.cli import build_parser\n"
+            "for argv in (['export', 'x'], ['cases', 'run', 'f'], ['infer'], ['bench', 'ops'], ['capture', '--out', "
+            "'x'], ['calibrate', '--out', 'x']):\n    build_parser().parse_args(argv)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out
+
+
+def test_pypto_gym_alone_lists_the_commands(capsys):
+    rc = main([])
+    err = capsys.readouterr().err
+    assert rc == 2 and all(name in err for name in ("infer", "capture", "export", "bench", "make-tiny-model"))
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("truncated weights", "model.safetensors: not a readable safetensors file"),
+    ("no tokenizer files", "has no tokenizer files; expected one of tokenizer.json"),
+])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2_5_vl"])
+@pytest.mark.parametrize("command", [["infer"], ["capture", "--out", "{tmp}/cases.json"], ["export", "{tmp}/out"]])
+def test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_file(capsys, tmp_path, damage, needle, family,
+                                                                     command):
+    """An ordinary checkpoint (not one of our exports) with a truncated weights file gave a 26-29-line
+    SafetensorError traceback; one without tokenizer files failed in a reshape or a torch.cat (issue 45, item 11)."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(ROOT / "modeling" / f"tiny_{family}", ckpt)
+    if damage == "truncated weights":
+        with open(ckpt / "model.safetensors", "r+b") as f:
+            f.truncate(5000)
+    else:
+        for f in ckpt.glob("tokenizer*.json"):
+            f.unlink()
+    argv = [a.format(tmp=tmp_path) for a in command]
+    rc, stdout, err, _ = run_cli(capsys, *argv[:1], "--model", str(ckpt), *argv[1:])
+    one_line_error(rc, err, needle, str(ckpt))
+    assert "generated:" not in stdout
+
+
 def test_ctrl_c_during_capture_says_nothing_was_written(tmp_path):
     import signal
 
     out = tmp_path / "cases.json"
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "capture_shapes.py"), "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
     for line in proc.stdout:  # interrupt once generate runs
         if "generate" in line:
             break

@@ -7,7 +7,9 @@ traceback; PYPTO_GYM_DEBUG=1 shows it), 130 interrupted.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 
 from . import bench, calibrate, capture, cases, export, infer, make_tiny, tune
@@ -33,7 +35,7 @@ def build_parser() -> Parser:
 
     ap = Parser(prog="pypto-gym", description=DESCRIPTION, epilog=EPILOG,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
     return ap
@@ -41,14 +43,24 @@ def build_parser() -> Parser:
 
 def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the parser is built: nothing has started
+        return _interrupted(_command_named(sys.argv[1:] if argv is None else argv))
+    if args.command is None:  # `pypto-gym` alone: what it can do
+        build_parser().print_help(sys.stderr)
+        return 2
+    try:
+        with _interrupts_deferred():
+            import torch  # noqa: F401  (torch's C++ initialisers abort the process on a KeyboardInterrupt)
         return args.func(args)
     except KeyboardInterrupt:
         return _interrupted(args.command)
-    except (UserError, OSError, ValueError, TypeError, RuntimeError) as e:
-        if _caused_by_ctrl_c(e):  # Ctrl-C inside a class body Python was creating: a RuntimeError wraps it
+    except Exception as e:
+        if _caused_by_ctrl_c(e):  # Ctrl-C inside a class body or a lazy import: a RuntimeError or ImportError wraps it
             return _interrupted(args.command)
+        if not isinstance(e, (UserError, OSError, ValueError, TypeError, RuntimeError)):
+            raise
         if os.environ.get("PYPTO_GYM_DEBUG"):
             raise
         text = " ".join(str(e).split()) or type(e).__name__
@@ -56,9 +68,37 @@ def main(argv=None) -> int:
         return 2
 
 
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Inside: Ctrl-C is held until the end (then raised as KeyboardInterrupt), for code a KeyboardInterrupt must not
+    enter: raised inside torch's C++ static initialisers it terminated the process with a C++ abort. A SIGINT the
+    process ignores (started in the background) stays ignored."""
+    held = []
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+        if previous is signal.SIG_IGN:
+            yield
+            return
+        signal.signal(signal.SIGINT, lambda *_: held.append(True))
+    except ValueError:  # not the main thread: signals are not ours to handle
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
+def _command_named(argv) -> str:
+    """The subcommand in a command line not yet parsed (for the interrupted line): its first word."""
+    return next((a for a in argv if not a.startswith("-")), "")
+
+
 def _interrupted(command: str) -> int:
     # every file is written atomically at the end of a command: an interrupted one wrote nothing
-    print(f"pypto-gym {command}: interrupted; nothing written", file=sys.stderr)
+    print(f"pypto-gym{' ' + command if command else ''}: interrupted; nothing written", file=sys.stderr)
     return 130
 
 

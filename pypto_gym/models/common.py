@@ -52,14 +52,44 @@ def from_pretrained(cls, path, dtype="auto", device="cpu"):
     """`cls.from_pretrained(path)` offline, in `dtype` on `device`, failures as one line naming --model."""
     import torch
 
+    from safetensors import SafetensorError
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     try:
         model = cls.from_pretrained(path, dtype=torch_dtype)
+    except SafetensorError as e:  # a truncated or damaged weights file: say which
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--model: {damaged_weights_file(path) or path}: not a readable safetensors file "
+                         f"({first})") from None
     except (OSError, ValueError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"--model: could not load {path}: {first}") from None
     return model.to(device).eval()
+
+
+def damaged_weights_file(path) -> Path | None:
+    """The first *.safetensors file of a checkpoint whose header safetensors refuses (truncated, damaged), or None."""
+    from safetensors import SafetensorError, safe_open
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except (SafetensorError, OSError):
+            return f
+    return None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")  # fast tokenizer, BPE vocab (+ merges), spm
+
+
+def check_tokenizer_files(path) -> None:
+    """Refuse a checkpoint without tokenizer files before AutoTokenizer builds an empty tokenizer from it (the prompt
+    then tokenised to nothing and generate failed in a reshape or a torch.cat)."""
+    p = Path(path)
+    if not any((p / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"--model: {p} has no tokenizer files; expected one of {', '.join(TOKENIZER_FILES)}")
 
 
 def train_tokenizer(special_tokens: list[str], eos: str, pad: str, chat_template: str, vocab_size: int = 640):
@@ -116,6 +146,7 @@ class TextProcessor:
     def __init__(self, path):
         from transformers import AutoTokenizer
 
+        check_tokenizer_files(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
 
     def save_pretrained(self, out) -> None:

@@ -11,8 +11,8 @@ import copy
 import json
 from pathlib import Path
 
-from .common import (MODELING_DIR, TEXT_LINEARS_AFTER_NORM, TEXT_OWN_INPUT, check_model_dir, from_pretrained,
-                     randomise_norms, save_tokenizer, save_weights, train_tokenizer)
+from .common import (MODELING_DIR, TEXT_LINEARS_AFTER_NORM, TEXT_OWN_INPUT, check_model_dir, check_tokenizer_files,
+                     from_pretrained, randomise_norms, save_tokenizer, save_weights, train_tokenizer)
 
 NAME = "qwen2_5_vl"
 MODEL_TYPES = ("qwen2_5_vl",)
@@ -203,6 +203,7 @@ def load(path=TINY_DIR, dtype="auto", device="cpu"):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     p = check_model_dir(path)
+    check_tokenizer_files(p)
     try:
         processor = Processor(p)
     except (OSError, ValueError) as e:

@@ -8,7 +8,7 @@ config).
 from __future__ import annotations
 
 from . import qwen2_5_vl
-from .common import TEXT_LINEARS_AFTER_NORM, TEXT_OWN_INPUT, check_model_dir, from_pretrained
+from .common import TEXT_LINEARS_AFTER_NORM, TEXT_OWN_INPUT, check_model_dir, check_tokenizer_files, from_pretrained
 
 NAME = "qwen2_vl"
 MODEL_TYPES = ("qwen2_vl",)
@@ -25,4 +25,5 @@ def load(path, dtype="auto", device="cpu"):
     from transformers import Qwen2VLForConditionalGeneration
 
     p = check_model_dir(path)
+    check_tokenizer_files(p)
     return from_pretrained(Qwen2VLForConditionalGeneration, p, dtype, device), qwen2_5_vl.Processor(p)
