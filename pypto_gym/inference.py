@@ -105,12 +105,24 @@ def open_image(path):
     return img.convert("RGB")
 
 
+def check_new_tokens(model, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a generation longer than the model's context (max_position_embeddings) before it starts: a huge
+    max_new_tokens otherwise ran silently for minutes, then failed or wrapped its positions."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    context = getattr(config, "max_position_embeddings", None)
+    if isinstance(context, int) and prompt_tokens + max_new_tokens > context:
+        raise ValueError(f"--max-new-tokens: {max_new_tokens:,} new tokens after a prompt of {prompt_tokens:,} exceed "
+                         f"the model's context of {context:,} positions (max_position_embeddings); expected at most "
+                         f"{max(context - prompt_tokens, 0):,}")
+
+
 def generate(model, processor, prompts, images, max_new_tokens: int):
     """Greedy generate; returns (decoded texts, new token count, prefill seconds, decode tok/s)."""
     import torch
     from transformers import LogitsProcessorList
 
     inputs = processor(prompts, images, model=model)
+    check_new_tokens(model, inputs["input_ids"].shape[1], max_new_tokens)
     inputs = {k: v.to(model.device) for k, v in inputs.items()}
     clock = _StepClock()
     start = time.perf_counter()

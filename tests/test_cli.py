@@ -249,6 +249,23 @@ def test_the_parser_imports_neither_torch_nor_transformers():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out
 
 
+def test_a_generation_beyond_the_models_context_is_refused_before_it_starts(capsys):
+    """A huge --max-new-tokens was accepted and ran silently for minutes (issue 45, item 17)."""
+    rc, stdout, err, seconds = run_cli(capsys, "infer", "--max-new-tokens", "100000000")
+    one_line_error(rc, err, "--max-new-tokens: 100,000,000 new tokens after a prompt of", "exceed the model's context "
+                   "of 4,096 positions (max_position_embeddings); expected at most")
+    assert "generated:" not in stdout and seconds < 30
+
+
+@pytest.mark.parametrize("command", ["calibrate", "tune"])
+def test_a_calibration_out_that_is_not_safetensors_is_refused(capsys, tmp_path, command):
+    """calibrate --out x.json wrote a safetensors file named .json without a word (issue 45, item 17)."""
+    rc, stdout, err, seconds = run_cli(capsys, command, "--out", str(tmp_path / "x.json"))
+    one_line_error(rc, err, "x.json names a .json file; a calibration file is safetensors: expected a name ending in "
+                            ".safetensors")
+    assert not (tmp_path / "x.json").exists() and seconds < 10
+
+
 def test_pypto_gym_alone_lists_the_commands(capsys):
     rc = main([])
     err = capsys.readouterr().err

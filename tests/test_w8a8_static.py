@@ -216,7 +216,7 @@ def test_a_static_model_follows_a_weight_changed_after_patching(qwen3_calib, cha
 
 def test_the_static_scheme_needs_a_calibration_with_ranges(qwen3_calib, tmp_path):
     model, _, _ = _qwen3()
-    with pytest.raises(ValueError, match=r"quant='w8a8_static': calibration is None; expected a calibration file"):
+    with pytest.raises(ValueError, match=r"quant='w8a8_static': no calibration given; expected calibration= a file from `pypto-gym calibrate`"):
         patch_model(model, backend="cpu", quant="w8a8_static")
     old = tmp_path / "format3.safetensors"  # the previous format: smooth scales only, still fine for dynamic
     tensors = {k: v for k, v in load_file(str(qwen3_calib)).items() if k.endswith(".smooth_scale")}

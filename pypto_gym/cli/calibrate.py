@@ -30,7 +30,7 @@ def run(args) -> int:
         raise common.UserError(f"--alpha: got {args.alpha}; expected a number in [0, 1]")
     if args.percentile is not None and not 50.0 < args.percentile <= 100.0:
         raise common.UserError(f"--percentile: got {args.percentile}; expected a number in (50, 100]")
-    out = files.check_writable(args.out, "--out")
+    out = files.check_writable(common.safetensors_name(args.out), "--out")
     args.prompt = args.prompt or list(family.CALIBRATION_PROMPTS)
     todo = requests(args, family)
     model, processor, _ = common.load_model(args, family, device)

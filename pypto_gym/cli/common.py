@@ -147,6 +147,17 @@ def load_model(args, family, device):
     return model, processor, time.perf_counter() - t0
 
 
+def safetensors_name(out: str) -> str:
+    """--out of a calibration file: safetensors, so a name with another suffix is refused (calibrate --out x.json
+    wrote a safetensors file named .json without a word)."""
+    from pathlib import Path
+
+    if Path(out).suffix != ".safetensors":
+        raise UserError(f"--out: {out} names a {Path(out).suffix or 'suffix-less'} file; a calibration file is "
+                        f"safetensors: expected a name ending in .safetensors")
+    return out
+
+
 def default_prompt(family) -> str:
     return "Read the text in the image." if family.MULTIMODAL else family.CALIBRATION_PROMPTS[0]
 

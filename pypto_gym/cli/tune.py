@@ -32,7 +32,7 @@ def run(args) -> int:
     family = common.model_family(args)
     if not 0.0 < args.target_cosine <= 1.0:
         raise common.UserError(f"--target-cosine: got {args.target_cosine}; expected a cosine in (0, 1]")
-    out = files.check_writable(args.out, "--out")
+    out = files.check_writable(common.safetensors_name(args.out), "--out")
     device = resolve_device(args.device)
     args.prompt = args.prompt or list(family.CALIBRATION_PROMPTS)
     calib = requests(args, family)

@@ -186,8 +186,8 @@ def install(model, state, scheme: str = "dynamic") -> QuantPlan:
     w8a8_family(model)  # a model of no known family is refused before anything changes
     loaded = any(STORED_STATIC in m.__dict__ for m in model.modules())
     if scheme == "static" and state.options.calibration is None and not loaded:
-        raise ValueError("quant='w8a8_static': calibration is None; expected a calibration file (pypto-gym "
-                         "calibrate): the static scales and offsets come from its activation ranges")
+        raise ValueError("quant='w8a8_static': no calibration given; expected calibration= a file from `pypto-gym "
+                         "calibrate` (the static scales and offsets come from its activation ranges)")
     sites = [s for s in state.sites if isinstance(s, (NormSite, MlpSite))]
     backend, calibration_path = state.options.backend, state.options.calibration
     known = [p for e in state.entries for p in (e.paths if isinstance(e, (NormSite, MlpSite)) else
