@@ -21,7 +21,7 @@ from .. import hardware
 from ..ops import OPS, registry
 from ..ops.defs.varlen_attention import PAGE_T, PAGE_WINDOWS, PYPTO_LAUNCH_PAIRS, long_window_pairs, windows
 from . import pypto_kernels as K
-from .timing import header, write_json
+from .timing import goal_line, header, save_plot, write_json
 
 # A stated range, not a measurement: about 5 us for a launch from a captured graph, about 20 us for an eager
 # torch_npu op at small shapes (the smallest time of a custom kernel on an Ascend 910B2 in ops-transformer's
@@ -174,7 +174,10 @@ def _w8a8_calls(S: int, dtype):
              [("static_quant", (x, scale, offset, None))])]
 
 
-def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None, kv_lengths=(1024, 4096)) -> int:
+def run_layer(S: int = 128, vision_tokens: int = 256, json_path=None, kv_lengths=(1024,), png_path=None) -> int:
+    """The tables, a goal per part (the fused ops no slower than HF's kernels on PyPTO's estimate, in fewer launches;
+    exit 1 on a miss), JSON and a PNG. The default shapes (a 128-token prefill, a decode step over 1024 cached
+    tokens, a vision block of four windows) take minutes; `bench layer --page` the document page's, opt-in."""
     print(header("bench layer"))
     print(f"PyPTO SIM, Ascend 910B2 cost model: estimated AICore us per kernel (launch overhead not included; "
           f"totals also with {LAUNCH_US[0]:g}-{LAUNCH_US[1]:g} us per launch, a stated range). GutenOCR-3B: "
@@ -185,7 +188,9 @@ def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None, kv_length
           f"decode step over its KV cache, with the KV-read floor): one fused attention on the NPU either way (HF's "
           f"sdpa), costed as pypto-gym's PyPTO kernel on both sides.")
     result = {"bench": "layer", "machine": hardware.capability(), "launch_us_range": list(LAUNCH_US),
-              "gemm_roofline": {"cube_tflops": CUBE_TFLOPS, "hbm_tbps": HBM_TBPS, "stated": True}, "parts": {}}
+              "gemm_roofline": {"cube_tflops": CUBE_TFLOPS, "hbm_tbps": HBM_TBPS, "stated": True}, "parts": {},
+              "shapes": {"text_tokens": S, "vision_tokens": vision_tokens, "kv": list(kv_lengths)}}
+    goals = []
     for part, phase, tokens, per_forward, kv in (("text layer", "prefill", S, TEXT_LAYERS, 0),
                                                  *(("text layer", "decode", 1, TEXT_LAYERS, n) for n in kv_lengths),
                                                  ("vision block", "vision", vision_tokens, VISION_BLOCKS, 0)):
@@ -236,6 +241,11 @@ def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None, kv_length
                   f"{n * gemms['weight_floor_us']:.0f} us"
                   + (f" + KV-read floor {times('kv_floor_us'):.0f} us" if kv else ""))
         result["parts"][title] = {"rows": rows, "totals": tot, "per_forward": per_forward, "gemms": gemms, "kv": kv}
+        goals.append(goal_line(tot["fused_us"] <= tot["hf_us"] and tot["fused_kernels"] < tot["hf_kernels"],
+                               f"{title}: pypto-gym's fused ops {tot['fused_us']:.1f} us AICore in "
+                               f"{tot['fused_kernels']} launches, HF's kernels {tot['hf_us']:.1f} us in "
+                               f"{tot['hf_kernels']} ({tot['fused_us'] / tot['hf_us']:.2f}x; goal: no slower, fewer "
+                               f"launches)"))
     result["w8a8"] = {}
     for phase, tokens in (("prefill", S), ("decode", 1)):
         rows = []
@@ -253,7 +263,30 @@ def run_layer(S: int = 512, vision_tokens: int = 3744, json_path=None, kv_length
         print(f"{'per text layer':<24} {len(rows):>28} {dyn:>7.1f} {sum(len(r['static_ops']) for r in rows):>28} "
               f"{sta:>7.1f} {sta / dyn:>5.2f}x")
         result["w8a8"][phase] = {"tokens": tokens, "rows": rows, "dynamic_us": dyn, "static_us": sta}
+    print("\n" + "\n".join(goals))
+    result["goals"] = goals
     if json_path:
         write_json(json_path, result)
         print(f"\nJSON written to {json_path}")
-    return 0
+    if png_path:
+        print(save_plot(png_path, lambda plt: _plot(plt, result["parts"])))
+    return 0 if all(g.startswith("PASS") for g in goals) else 1
+
+
+def _plot(plt, parts: dict):
+    """Per part (a text layer's prefill and decode, a vision block): HF's kernels and the fused ops, AICore us on
+    PyPTO's estimate, the launches written on the bars."""
+    titles = list(parts)
+    fig, ax = plt.subplots(figsize=(max(6, 2.4 * len(titles)), 4))
+    for i, title in enumerate(titles):
+        tot = parts[title]["totals"]
+        for j, (key, n, label) in enumerate((("hf_us", "hf_kernels", "HF's kernels"),
+                                             ("fused_us", "fused_kernels", "pypto-gym's fused ops"))):
+            bar = ax.bar(i + (j - 0.5) * 0.38, tot[key], 0.36, color=("#b0b0b0", "#2a7ab9")[j],
+                         label=label if i == 0 else None)
+            ax.bar_label(bar, [f"{tot[n]} launches"], fontsize=7)
+    ax.set_xticks(range(len(titles)), [t.replace(", ", "\n", 1) for t in titles], fontsize=8)
+    ax.set_ylabel("AICore us (PyPTO SIM, 910B2 model)")
+    ax.set_title("non-GEMM kernels of one layer / block")
+    ax.legend(fontsize=8)
+    return fig

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
 
@@ -80,6 +81,8 @@ def save_plot(path, draw) -> str:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # PyPTO's import leaves the root logger at DEBUG
     except ImportError:
         return "plot skipped: matplotlib not installed (pip install -e '.[test]')"
     fig = draw(plt)
