@@ -14,7 +14,6 @@ from torch.utils._pytree import tree_leaves
 
 import pypto_gym
 from pypto_gym import ops
-from pypto_gym.models import qwen2_5_vl
 from pypto_gym.ops.defs.varlen_attention import varlen_attention
 from pypto_gym.precision import compare
 

@@ -91,6 +91,8 @@ BAD_CALLS = [
      ValueError, r"beta: shape \(2,\)"),
     (lambda: ops.rms_norm(torch.ones(2, 4, device="meta"), torch.ones(4)), ValueError,
      "gamma: on device cpu, expected x's device meta"),
+    (lambda: ops.add_rms_norm(torch.ones(2, 4), torch.ones(2, 4), None, cast_mode="none", norm_input="fp32_sum"),
+     ValueError, "norm_input: 'fp32_sum' with cast_mode 'none'; expected 'rounded'"),  # was a NameError
 ]
 
 

@@ -19,7 +19,7 @@ what the norm reads is `norm_input`:
 """
 import torch
 
-from ..args import FLOAT_DTYPES, Choice, Float, Output, Tensor, dtype_name
+from ..args import FLOAT_DTYPES, ArgValueError, Choice, Float, Output, Tensor, dtype_name
 from ..backends.npu import as_rows
 from ..backends.pypto_backend import rows, vector
 from ..op import Backward, BenchSpec, Op
