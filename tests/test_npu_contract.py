@@ -218,9 +218,13 @@ def test_static_quant_ops_map_onto_npu_add_rms_norm_quant_and_npu_quantize(npu, 
 
 def test_static_quant_limits_are_the_documented_ones(npu, monkeypatch):
     x = torch.randn(2, 8, dtype=torch.bfloat16)
-    inexact = torch.tensor([0.1])  # fp32 0.1 is not a bf16 value: passing it would round the scale
-    assert "scale float32 is not exact in x's bfloat16" in npu.supports("static_quant", x, inexact, None, None)
-    assert "offset" in npu.supports("static_quant", x, torch.tensor([0.5]), torch.tensor([0.3]), None)
+    inexact = torch.tensor([0.1])  # fp32 0.1 is not a bf16 value: the bf16 norm op would round the scale
+    assert "scale float32 is not exact in the bfloat16 it takes" in npu.supports(
+        "rms_norm_quant", x, torch.ones(8, dtype=torch.bfloat16), inexact, None, None, 1e-6)
+    # npu_quantize takes float32 scales and int32 zero points (div_mode=True): 0.1 is exact there, 0.3 is no zero point
+    assert npu.supports("static_quant", x, inexact, None, None) is None
+    assert "offset float32 is not exact in the int32 it takes" in npu.supports("static_quant", x, torch.tensor([0.5]),
+                                                                               torch.tensor([0.3]), None)
     assert "float32 not supported" in npu.supports("rms_norm_quant", x.float(), torch.ones(8), torch.tensor([0.5]),
                                                    None, None, 1e-6)
     assert npu.supports("static_quant", x, torch.tensor([0.5]), torch.tensor([3], dtype=torch.int8), None) is None
@@ -229,6 +233,39 @@ def test_static_quant_limits_are_the_documented_ones(npu, monkeypatch):
     inference = Npu(NpuBackend(module_name="torch_npu_standin"))
     assert "A2/A3" in inference.supports("static_quant", x, torch.tensor([0.5]), None, None)
     assert inference.supports("static_quant", x.half(), torch.tensor([0.5]), None, None) is None
+
+
+def test_the_static_quant_calls_take_the_documented_dtypes(npu, monkeypatch):
+    """torch_npu-npu_add_rms_norm_quant.md's table gives fp16 x float32 scales1 and int32 zero_points1 (bf16 x all
+    bfloat16); torch_npu-npu_quantize.md gives div_mode=True float32 (bfloat16 on A2/A3) scales and int8/uint8/int32
+    zero points: an fp16 scale or zero point the hardware refuses was passed for both (issue 47). The stand-in refuses
+    the old calls, the mapping makes the documented ones, and on Atlas inference series chips a last dim below 32 is
+    declined by the op's predicate before the stand-in refuses it."""
+    x = torch.randn(4, 64, dtype=torch.float16)
+    g = torch.ones(64, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="scales1 torch.float16 .* the documented table has torch.float32"):
+        torch_npu_standin.npu_add_rms_norm_quant(x, x, g, torch.full((64,), 0.5, dtype=torch.float16),
+                                                 torch.zeros(64, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="npu_quantize: scales torch.float16 with div_mode=True"):
+        torch_npu_standin.npu_quantize(x, torch.full((64,), 0.5, dtype=torch.float16), None, torch.qint8, -1, True)
+    with pytest.raises(RuntimeError, match="npu_quantize: zero_points torch.float16 with div_mode=True"):
+        torch_npu_standin.npu_quantize(x, torch.full((64,), 0.5), torch.zeros(64, dtype=torch.float16), torch.qint8,
+                                       -1, True)
+    scale, offset = torch.tensor([0.1]), torch.tensor([-3.0])  # 0.1: fp32, not an fp16 value; exact as float32
+    for dtype in (torch.float16, torch.bfloat16):
+        xd = x.to(dtype)
+        want = OPS["static_quant"].golden(xd, scale, offset)
+        assert torch.equal(npu.static_quant(xd, scale, offset, None), want)
+    y, _ = npu.add_rms_norm_quant(x, x, g, scale, offset, None, 1e-6)
+    assert torch.equal(y, OPS["add_rms_norm_quant"].golden(x, x, g, scale, offset, None, 1e-6)[0])
+    monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend310P3")
+    inference = Npu(NpuBackend(module_name="torch_npu_standin"))
+    short = torch.randn(4, 16, dtype=torch.float16)
+    assert "last dim 16 < 32 on inference chips" in inference.supports(
+        "rms_norm_quant", short, torch.ones(16, dtype=torch.float16), scale, offset, None, 1e-6)
+    with pytest.raises(RuntimeError, match="last dim 16 < 32 on Atlas inference series"):
+        torch_npu_standin.npu_add_rms_norm_quant(short, short, torch.ones(16, dtype=torch.float16),
+                                                 torch.full((16,), 0.5), torch.zeros(16, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -254,8 +291,14 @@ def test_quant_matmul_limits_are_the_documented_ones(npu, monkeypatch):
     assert npu.supports("quant_matmul", x_q, w_q, *ones, None, torch.bfloat16) is None
     assert "output_dtype float32" in npu.supports("quant_matmul", x_q, w_q, *ones, None, torch.float32)
     assert "empty" in npu.supports("quant_matmul", x_q[:0], w_q, torch.ones(0), ones[1], None, torch.bfloat16)
-    assert "bias float16 with output bfloat16" in npu.supports("quant_matmul", x_q, w_q, *ones,
-                                                               torch.zeros(4).half(), torch.bfloat16)
+    # a float bias of any dtype goes in as float32, which both documented output rows take
+    assert npu.supports("quant_matmul", x_q, w_q, *ones, torch.zeros(4).half(), torch.bfloat16) is None
+    with pytest.raises(RuntimeError, match="bias torch.float16 \\[n\\] with output torch.float16 is not a documented"):
+        torch_npu_standin.npu_quant_matmul(x_q, w_q.t(), torch.ones(4), pertoken_scale=torch.ones(2),
+                                           bias=torch.zeros(4).half(), output_dtype=torch.float16)
+    wide = torch.zeros(2, 65536, dtype=torch.int8)
+    assert "K = 65536 above the documented last-dim limit of 65535" in npu.supports(
+        "quant_matmul", wide, torch.zeros(4, 65536, dtype=torch.int8), *ones, None, torch.bfloat16)
     # what the adapter refuses, the stand-in (torch_npu's documented rows) refuses too
     with pytest.raises(RuntimeError, match="documented pertoken rows"):
         torch_npu_standin.npu_quant_matmul(x_q, w_q.t(), torch.ones(4), pertoken_scale=torch.ones(2),
@@ -267,6 +310,31 @@ def test_quant_matmul_limits_are_the_documented_ones(npu, monkeypatch):
     with pytest.raises(RuntimeError, match="pertoken_scale is not supported"):
         torch_npu_standin.npu_quant_matmul(x_q, w_q.t(), torch.ones(4), pertoken_scale=torch.ones(2),
                                            output_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_an_n_above_the_last_dim_limit_runs_as_column_blocks(npu, static):
+    """npu_quant_matmul's last dims may not exceed 65535 (its page's 约束说明), which an int8 lm_head of Qwen's
+    151,936-row vocabulary does: N runs as column blocks of at most 65535 (as vllm-ascend splits it), the stand-in
+    refusing any wider one, and the result is the golden's."""
+    gen = torch.Generator().manual_seed(2)
+    N = 65535 + 1000
+    x_q = torch.randint(-128, 128, (3, 16), generator=gen, dtype=torch.int8)
+    w_q = torch.randint(-128, 128, (N, 16), generator=gen, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="must not exceed 65535"):
+        torch_npu_standin.npu_quant_matmul(x_q, w_q.t(), torch.ones(N), pertoken_scale=torch.ones(3),
+                                           output_dtype=torch.bfloat16)
+    if static:
+        args = (x_q, w_q, torch.rand(N, generator=gen) * 1e-4, torch.randint(-999, 999, (N,), generator=gen,
+                                                                              dtype=torch.int32), torch.bfloat16)
+    else:
+        args = (x_q, w_q, torch.rand(3, generator=gen), torch.rand(N, generator=gen) * 1e-3,
+                torch.randn(N, generator=gen), torch.bfloat16)
+    name = "quant_matmul_static" if static else "quant_matmul"
+    torch_npu_standin.calls.clear()
+    assert npu.supports(name, *args) is None
+    assert torch.equal(getattr(npu, name)(*args), OPS[name].golden(*args))
+    assert torch_npu_standin.calls == ["npu_quant_matmul"] * 2
 
 
 def _text_rope(S, D=128, E=None, dtype=torch.bfloat16, mrope=False, heads=(16, 2)):

@@ -14,14 +14,18 @@ against this module, written from torch_npu's API pages:
   npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None)
       x1 int8 [m, k] (2-6 dims), x2 int8 [k, n]; scale [n] or [1] fp32/bf16; pertoken_scale fp32 [m]
       (not on Atlas inference series chips); documented rows with pertoken_scale: output bf16 with
-      scale fp32/bf16 and bias int32/bf16/fp32, or output fp16 with scale fp32 and bias int32/fp16/fp32;
-      a float bias is added after dequantisation; x1, x2 and scale must not be empty.
+      scale fp32/bf16 and bias int32/bf16/fp32, or output fp16 with scale fp32 and bias int32/bf16/fp32 (no fp16
+      bias); a float bias is added after dequantisation; x1, x2 and scale must not be empty; the last dims of x1
+      and x2 (k and n) at most 65535.
   npu_add_rms_norm_quant(x1, x2, gamma, scales1, zero_points1=None, beta=None, scales2=None, zero_points2=None,
       *, axis=-1, epsilon=1e-06, div_mode=True) -> (y1, y2, x_out): 1-8 dims, no empty tensors, fp16/bf16 (bf16 on
       A2/A3); y1 = round(rms_norm(x1 + x2) * gamma (+ beta) / scales1 + zero_points1) per channel (div_mode=True;
-      x * scales1 otherwise), int8; scales2 / zero_points2 must be None (y2 is then empty).
+      x * scales1 otherwise), int8; scales2 / zero_points2 must be None (y2 is then empty). Its dtype table: fp16 x
+      with fp16 gamma/beta, fp32 scales1 and int32 zero_points1; bf16 x with bf16 for all four; shapes [D]; on
+      Atlas inference series chips (fp16 only) D >= 32.
   npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True) -> int8 codes of input per channel along
-      axis (scales/zero_points [D] or [1]), torch.qint8 only here.
+      axis (scales/zero_points [D] or [1]), torch.qint8 only here; with div_mode=True scales fp32 (or bf16 on A2/A3)
+      and zero_points int8/uint8/int32 (or bf16 on A2/A3), with div_mode=False both of input's dtype.
   npu_trans_quant_param(scale, offset=None) -> int64: each fp32 scale's bit pattern (the fp16 output's scale).
   Static rows of npu_quant_matmul (no pertoken_scale): output bf16 with scale fp32, output fp16 with scale int64
       (npu_trans_quant_param); an int32 bias is added to the int32 accumulator before dequantisation.
@@ -133,6 +137,8 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     m, k = x1.shape[-2:]
     k2, n = x2.shape[-2:]
     _check(k == k2, f"npu_quant_matmul: x1 [.., {k}] and x2 [{k2}, ..] disagree on k")
+    # 约束说明: "x1与x2最后一维的shape大小不能超过65535"
+    _check(k <= 65535 and n <= 65535, f"npu_quant_matmul: last dims {k} (x1) and {n} (x2) must not exceed 65535")
     _check(scale.dim() == 1 and scale.shape[0] in (1, n), f"npu_quant_matmul: scale shape {tuple(scale.shape)}")
     _check(offset is None, "npu_quant_matmul: offset is not documented with a float output")
     if pertoken_scale is not None:
@@ -141,13 +147,17 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
                f"npu_quant_matmul: pertoken_scale must be float32 [{m}]")
     if pertoken_scale is None:
         return _static_quant_matmul(x1, x2, scale, bias, output_dtype, n)
+    # table 2 (Atlas A2/A3) rows with pertoken_scale float32: output bfloat16 with scale float32/bfloat16, bias
+    # int32/bfloat16/float32/None; output float16 with scale float32, bias int32/bfloat16/float32/None (no float16 bias)
     rows = {torch.bfloat16: ({torch.float32, torch.bfloat16}, {torch.int32, torch.bfloat16, torch.float32}),
-            torch.float16: ({torch.float32}, {torch.int32, torch.float16, torch.float32})}
+            torch.float16: ({torch.float32}, {torch.int32, torch.bfloat16, torch.float32})}
     _check(output_dtype in rows and pertoken_scale is not None, "npu_quant_matmul: only the documented "
            "pertoken rows (output bfloat16 or float16) are modelled here")
     scales, biases = rows[output_dtype]
     _check(scale.dtype in scales, f"npu_quant_matmul: scale {scale.dtype} with output {output_dtype}")
-    _check(bias is None or (bias.dtype in biases and tuple(bias.shape) == (n,)), "npu_quant_matmul: bias dtype/shape")
+    _check(bias is None or (bias.dtype in biases and tuple(bias.shape) == (n,)),
+           f"npu_quant_matmul: bias {bias.dtype if bias is not None else None} [n] with output {output_dtype} is not "
+           f"a documented combination")
     _check(bias is None or bias.dtype != torch.int32, "npu_quant_matmul: an int32 bias is not modelled here")
     return OPS["quant_matmul"].golden(x1, x2.transpose(-1, -2), pertoken_scale, scale.float().expand(n), bias,
                                   output_dtype)
@@ -184,8 +194,19 @@ def npu_add_rms_norm_quant(x1, x2, gamma, scales1, zero_points1=None, beta=None,
     _check(scales2 is None and zero_points2 is None, "npu_add_rms_norm_quant: scales2/zero_points2 must be None")
     _check(axis == -1, "npu_add_rms_norm_quant: axis must be -1")
     D = x1.shape[-1]
-    for name, t in (("gamma", gamma), ("scales1", scales1), ("zero_points1", zero_points1), ("beta", beta)):
-        _check(t is None or (t.dtype == x1.dtype and t.shape in ((D,), (1,))), f"{name} must be [D] of x1's dtype")
+    # the dtype table (各产品型号支持数据类型说明): x1 float16 -> gamma/beta float16, scales float32, zero_points int32;
+    # x1 bfloat16 (A2/A3) -> gamma, beta, scales and zero_points all bfloat16; shapes those of gamma ([D])
+    table = {torch.float16: (torch.float16, torch.float32, torch.int32),
+             torch.bfloat16: (torch.bfloat16, torch.bfloat16, torch.bfloat16)}
+    vector_t, scale_t, zero_t = table[x1.dtype]
+    for name, t, want in (("gamma", gamma, vector_t), ("beta", beta, vector_t), ("scales1", scales1, scale_t),
+                          ("zero_points1", zero_points1, zero_t)):
+        _check(t is None or (t.dtype == want and tuple(t.shape) == (D,)),
+               f"npu_add_rms_norm_quant: {name} {t.dtype if t is not None else None} {tuple(t.shape) if t is not None else ''}"
+               f" with x1 {x1.dtype}; the documented table has {want} [{D}]")
+    # 约束说明: on Atlas inference series, x1's last dim and every vector's element count >= 32
+    _check(_a2_a3() or D >= 32, f"npu_add_rms_norm_quant: last dim {D} < 32 on Atlas inference series chips")
+    _check(not div_mode or bool((scales1 != 0).all()), "npu_add_rms_norm_quant: scales1 must not be 0 with div_mode")
     x_out = x1 + x2
     y1 = _per_channel(normalise(x_out, gamma, beta, epsilon), scales1, zero_points1, div_mode)
     return y1, torch.empty(0, dtype=torch.int8), x_out
@@ -199,6 +220,20 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
     D = input.shape[-1]
     _check(scales.shape in ((D,), (1,)) and (zero_points is None or zero_points.shape == scales.shape),
            "npu_quantize: scales/zero_points must be [D] or [1]")
+    _check(input.dtype in ((torch.float32, torch.float16, torch.bfloat16) if _a2_a3() else (torch.float32,
+                                                                                            torch.float16)),
+           f"npu_quantize: self {input.dtype} not supported on this chip")
+    if div_mode:  # the div_mode=True dtypes of scales and zero_points, per chip series
+        scale_ok = (torch.float32, torch.bfloat16) if _a2_a3() else (torch.float32,)
+        zero_ok = (torch.int8, torch.uint8, torch.int32) + ((torch.bfloat16,) if _a2_a3() else ())
+        _check(scales.dtype in scale_ok, f"npu_quantize: scales {scales.dtype} with div_mode=True; documented: "
+                                         f"{', '.join(map(str, scale_ok))}")
+        _check(zero_points is None or zero_points.dtype in zero_ok,
+               f"npu_quantize: zero_points {zero_points.dtype} with div_mode=True; documented: "
+               f"{', '.join(map(str, zero_ok))}")
+    else:  # div_mode=False: scales and zero_points of self's dtype
+        _check(scales.dtype == input.dtype and (zero_points is None or zero_points.dtype == input.dtype),
+               "npu_quantize: scales/zero_points must have self's dtype with div_mode=False")
     return _per_channel(input.float(), scales, zero_points, div_mode)
 
 

@@ -285,15 +285,27 @@ def _(backend, x1, x2, gamma, smooth_scale1, smooth_scale2, beta, eps, dst_type)
 # npu_add_rms_norm_quant(x1, x2, gamma, scales1, zero_points1, beta, scales2, zero_points2, *, axis=-1, epsilon,
 # div_mode=True) -> (y1, y2, x_out): x = x1 + x2, y1 = round(rms_norm(x) * gamma (+ beta) / scales1 + zero_points1)
 # with div_mode=True (our rule); scales2 must be None; 1-8 dims, no empty tensors, fp16 (bf16 on A2/A3). The scale
-# and offset go in as vllm-ascend passes them (its w8a8 static path: aclnn_input_scale, aclnn_input_offset):
-# repeated to D, in x's dtype; a scale or offset that x's dtype does not hold exactly is declined, never rounded.
-# rms_norm_quant is the same op with x2 = 0 (x + 0 == x exactly).
+# and offset go in repeated to D (as vllm-ascend passes them: aclnn_input_scale, aclnn_input_offset) in the dtypes of
+# the page's table (torch_npu-npu_add_rms_norm_quant.md, 各产品型号支持数据类型说明): fp16 x takes float32 scales and
+# int32 zero points, bf16 x bfloat16 for both; a scale or offset those dtypes do not hold exactly is declined, never
+# rounded. rms_norm_quant is the same op with x2 = 0 (x + 0 == x exactly).
 STATIC_NAME = "npu_add_rms_norm_quant"
+# (scales, zero points) dtypes per x dtype: the norm op's table; npu_quantize with div_mode=True takes float32 scales
+# and int32 zero points on every chip series (torch_npu-npu_quantize.md; bfloat16 scales only on A2/A3)
+STATIC_PARAM_DTYPES = {STATIC_NAME: {torch.float16: (torch.float32, torch.int32),
+                                     torch.bfloat16: (torch.bfloat16, torch.bfloat16)},
+                       "npu_quantize": {torch.float16: (torch.float32, torch.int32),
+                                        torch.bfloat16: (torch.float32, torch.int32)}}
 
 
 def exact_in(t, dtype) -> bool:
-    """Whether `t` holds the same values in `dtype` (int8 codes always do in fp16/bf16)."""
-    return t is None or t.dtype in (dtype, torch.int8) or torch.equal(t.to(dtype).to(t.dtype), t)
+    """Whether `t` holds the same values in `dtype` (int8 codes always do in fp16/bf16/fp32/int32; a float is exact in
+    an integer dtype when it is a finite integer in its range)."""
+    if t is None or t.dtype in (dtype, torch.int8):
+        return True
+    if not dtype.is_floating_point and not bool(torch.isfinite(t.float()).all()):
+        return False
+    return torch.equal(t.to(dtype).to(t.dtype), t)
 
 
 def npu_static_supports(name, backend, x, scale, offset) -> str | None:
@@ -306,21 +318,26 @@ def npu_static_supports(name, backend, x, scale, offset) -> str | None:
         return f"{name}: dtype {dtype_name(x.dtype)} not supported (float16, bfloat16)"
     if x.dtype == torch.bfloat16 and backend.series_of(x) != "a2_a3":
         return f"{name}: bfloat16 is supported on Atlas A2/A3 chips only"
-    for arg, t in (("scale", scale), ("offset", offset)):
-        if not exact_in(t, x.dtype):
-            return f"{name}: {arg} {dtype_name(t.dtype)} is not exact in x's {dtype_name(x.dtype)}"
+    if name == STATIC_NAME and backend.series_of(x) != "a2_a3" and x.shape[-1] < 32:
+        return f"{name}: last dim {x.shape[-1]} < 32 on {backend.series_of(x)} chips"
+    scale_t, zero_t = STATIC_PARAM_DTYPES[name][x.dtype]
+    for arg, t, want in (("scale", scale, scale_t), ("offset", offset, zero_t)):
+        if not exact_in(t, want):
+            return f"{name}: {arg} {dtype_name(t.dtype)} is not exact in the {dtype_name(want)} it takes"
     return None
 
 
-def npu_static_params(x, scale, offset):
-    """scale and offset as torch_npu's static quant ops take them: repeated to D, in x's dtype."""
+def npu_static_params(name, x, scale, offset):
+    """scale and offset as torch_npu's static quant op `name` takes them: repeated to D, in the dtypes its page
+    documents for x's dtype (STATIC_PARAM_DTYPES)."""
     D = x.shape[-1]
-    zero = torch.zeros(1, dtype=x.dtype, device=x.device) if offset is None else offset
-    return scale.reshape(1).to(x.dtype).expand(D).contiguous(), zero.reshape(1).to(x.dtype).expand(D).contiguous()
+    scale_t, zero_t = STATIC_PARAM_DTYPES[name][x.dtype]
+    zero = torch.zeros(1, dtype=zero_t, device=x.device) if offset is None else offset
+    return scale.reshape(1).to(scale_t).expand(D).contiguous(), zero.reshape(1).to(zero_t).expand(D).contiguous()
 
 
 def _npu_add_static(backend, x1, x2, gamma, scale, offset, beta, eps):
-    scales, zeros = npu_static_params(x1, scale, offset)
+    scales, zeros = npu_static_params(STATIC_NAME, x1, scale, offset)
     D = x1.shape[-1]
     y, _, x_out = backend.torch_npu().npu_add_rms_norm_quant(
         as_rows(x1), as_rows(x2), gamma.reshape(D), scales, zeros, beta=None if beta is None else beta.reshape(D),

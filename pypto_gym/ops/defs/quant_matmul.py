@@ -181,7 +181,23 @@ def _(backend, x_q, w_q, deq_scale, quant_bias, out_dtype):
 # npu_quant_matmul(x1, x2, scale, *, offset, pertoken_scale, bias, output_dtype): x1 = int8 rows [M, K],
 # x2 = the int8 weight as [K, N] (a transposed view of our [N, K]), scale = the per-channel fp32 scales,
 # pertoken_scale = the per-row fp32 scales (A2/A3 chips only), a float bias added after dequantisation,
-# output fp16/bf16 (the documented rows with pertoken_scale), bias in fp32 or the output dtype.
+# output fp16/bf16 (the documented rows with pertoken_scale, torch_npu-npu_quant_matmul.md table 2). The float bias
+# goes in as float32, which both rows document (fp16 output takes no fp16 bias; the golden adds f32(bias) anyway),
+# as vllm-ascend passes it. The last dims of x1 and x2 (K, N) may not exceed 65535: an N above it (a 151,936-row
+# int8 lm_head) runs as column blocks of at most 65535, as vllm-ascend's w8a8_dynamic splits it; a K above it is
+# declined.
+MAX_LAST_DIM = 65535
+
+
+def _column_blocks(N: int) -> list:
+    return [(n, min(n + MAX_LAST_DIM, N)) for n in range(0, N, MAX_LAST_DIM)]
+
+
+def _npu_k_limit(name, x_q):
+    K = x_q.shape[-1]
+    return f"{name}: K = {K} above the documented last-dim limit of {MAX_LAST_DIM}" if K > MAX_LAST_DIM else None
+
+
 def _npu_supports(backend, x_q, w_q, x_scale, w_scale, bias, out_dtype):
     name = "npu_quant_matmul"
     series = backend.series_of(x_q)
@@ -191,16 +207,18 @@ def _npu_supports(backend, x_q, w_q, x_scale, w_scale, bias, out_dtype):
         return f"{name}: empty tensors are not supported"
     if out_dtype not in HALF:
         return f"{name}: output_dtype {dtype_name(out_dtype)} not supported with pertoken_scale (float16, bfloat16)"
-    if bias is not None and bias.dtype not in (out_dtype, torch.float32):
-        return f"{name}: bias {dtype_name(bias.dtype)} with output {dtype_name(out_dtype)} is not a documented combination"
-    return None
+    return _npu_k_limit(name, x_q)
 
 
 @QUANT_MATMUL.impl("npu", supports=_npu_supports)
 def _(backend, x_q, w_q, x_scale, w_scale, bias, out_dtype):
     K, N = x_q.shape[-1], w_q.shape[0]
-    y = backend.torch_npu().npu_quant_matmul(x_q.reshape(-1, K), w_q.t(), w_scale, pertoken_scale=x_scale.reshape(-1),
-                                             bias=bias, output_dtype=out_dtype)
+    x1, pertoken = x_q.reshape(-1, K), x_scale.reshape(-1)
+    bias = None if bias is None else bias.to(torch.float32)
+    blocks = [backend.torch_npu().npu_quant_matmul(x1, w_q[a:b].t(), w_scale[a:b], pertoken_scale=pertoken,
+                                                   bias=None if bias is None else bias[a:b], output_dtype=out_dtype)
+              for a, b in _column_blocks(N)]
+    y = blocks[0] if len(blocks) == 1 else torch.cat(blocks, -1)
     return y.reshape(*x_q.shape[:-1], N)
 
 
@@ -215,7 +233,7 @@ def _npu_static_supports(backend, x_q, w_q, deq_scale, quant_bias, out_dtype):
         return f"{name}: output_dtype {dtype_name(out_dtype)} not supported with an int32 bias (float16, bfloat16)"
     if out_dtype == torch.bfloat16 and backend.series_of(x_q) != "a2_a3":
         return f"{name}: bfloat16 output is supported on Atlas A2/A3 chips only"
-    return None
+    return _npu_k_limit(name, x_q)
 
 
 @QUANT_MATMUL_STATIC.impl("npu", supports=_npu_static_supports)
@@ -223,7 +241,10 @@ def _(backend, x_q, w_q, deq_scale, quant_bias, out_dtype):
     tnpu = backend.torch_npu()
     K, N = x_q.shape[-1], w_q.shape[0]
     scale = deq_scale if out_dtype == torch.bfloat16 else tnpu.npu_trans_quant_param(deq_scale)
-    y = tnpu.npu_quant_matmul(x_q.reshape(-1, K), w_q.t(), scale, bias=quant_bias, output_dtype=out_dtype)
+    x1 = x_q.reshape(-1, K)
+    blocks = [tnpu.npu_quant_matmul(x1, w_q[a:b].t(), scale[a:b], bias=None if quant_bias is None else quant_bias[a:b],
+                                    output_dtype=out_dtype) for a, b in _column_blocks(N)]
+    y = blocks[0] if len(blocks) == 1 else torch.cat(blocks, -1)
     return y.reshape(*x_q.shape[:-1], N)
 
 

@@ -39,7 +39,9 @@ def _(backend, x, scale, offset, smooth_scales):
 
 
 # npu_quantize(x, scales, zero_points, dtype, axis, div_mode): torch.qint8 codes, axis -1, div_mode=True divides by
-# the scale (our rule); scale and offset as vllm-ascend passes them (repeated to D, in x's dtype; norm_quant.py).
+# the scale (our rule, bit for bit: vllm-ascend's div_mode=False multiplies by a reciprocal, which rounds differently);
+# with div_mode=True the page documents float32 (bfloat16 on A2/A3) scales and int8/uint8/int32 zero points, so the
+# scale goes in as float32 and the offset as int32, repeated to D (norm_quant.py's npu_static_params).
 NAME = "npu_quantize"
 
 
@@ -52,7 +54,7 @@ def _npu_supports(backend, x, scale, offset, smooth_scales):
 
 @STATIC_QUANT.impl("npu", supports=_npu_supports)
 def _(backend, x, scale, offset, smooth_scales):
-    scales, zeros = npu_static_params(x, scale, offset)
+    scales, zeros = npu_static_params(NAME, x, scale, offset)
     return backend.torch_npu().npu_quantize(x, scales, zeros, torch.qint8, -1, True)
 
 
