@@ -428,11 +428,43 @@ def test_varlen_attention_is_one_tnd_fused_attention_call_with_the_head_size_pad
     assert seen["actual_seq_lengths"] == seen["actual_seq_lengths_kv"] == [64, 128, 160]
 
 
+@pytest.mark.parametrize("D,padded", [(16, 128), (64, 128), (80, 128), (128, 128), (160, 192), (192, 192)])
+def test_the_tnd_call_runs_at_a_documented_head_dim(npu, fia_call, D, padded):
+    """The TND layout takes D = 128, or 192 for q and k (the page's TND constraints): only 64 < D < 128 was padded,
+    so Qwen3-VL's vision head dim of 64 went to the hardware unpadded (issue 47). Every D up to 192 is padded to
+    the next documented one and sliced back; the stand-in refuses any other."""
+    gen = torch.Generator().manual_seed(D)
+    q, k, v = (torch.randn(40, 2, D, generator=gen).to(torch.bfloat16) for _ in range(3))
+    op = OPS["varlen_attention"]
+    args = (q, k, v, [0, 16, 40], D ** -0.5, "hf")
+    assert npu.supports("varlen_attention", *args) is None
+    assert_close(npu.varlen_attention(*args), op.golden(*args), op.outputs)
+    assert fia_call["shape"] == (40, 2, padded)
+    if padded != D:
+        with pytest.raises(RuntimeError, match=r"TND head dims \(%d, %d, %d\)" % (D, D, D)):
+            torch_npu_standin.npu_fused_infer_attention_score(q, k, v, actual_seq_lengths=[16, 40],
+                                                              actual_seq_lengths_kv=[16, 40], num_heads=2,
+                                                              input_layout="TND")
+
+
 def test_varlen_attention_limits_are_the_documented_ones(npu, monkeypatch):
     q = torch.randn(10, 2, 16)
     assert "float32" in npu.supports("varlen_attention", q, q, q, [0, 10], 0.25, "hf")
     qb = q.bfloat16()
     assert npu.supports("varlen_attention", qb, qb, qb, [0, 10], 0.25, "hf") is None
+    wide = torch.zeros(10, 2, 256, dtype=torch.bfloat16)
+    assert "head dim 256 in the TND layout" in npu.supports("varlen_attention", wide, wide, wide, [0, 10], 0.1, "hf")
+    many = torch.zeros(4097, 2, 16, dtype=torch.bfloat16)
+    bounds = list(range(4098))
+    assert "4097 sequences in the TND layout (at most 4096)" in npu.supports("varlen_attention", many, many, many,
+                                                                             bounds, 0.25, "hf")
+    padded = torch.zeros(4097, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="4097 sequences in TND"):
+        torch_npu_standin.npu_fused_infer_attention_score(padded, padded, padded, actual_seq_lengths=bounds[1:],
+                                                          actual_seq_lengths_kv=bounds[1:], num_heads=2,
+                                                          input_layout="TND")
+    heads = torch.zeros(10, 257, 16, dtype=torch.bfloat16)
+    assert "257 query heads > 256" in npu.supports("varlen_attention", heads, heads, heads, [0, 10], 0.25, "hf")
     monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend310P3")
     npu.backend.series.cache_clear()
     assert "A2/A3" in npu.supports("varlen_attention", qb, qb, qb, [0, 10], 0.25, "hf")
@@ -459,6 +491,27 @@ def test_decoder_attention_is_one_bnsd_fused_attention_call(npu, fia_call, case)
     assert seen.get("sparse_mode", 0) == (3 if case == "causal prefill" else 0)
     if case.startswith("masked"):
         assert torch.equal(seen["atten_mask"], ~args[5])
+
+
+@pytest.mark.parametrize("case,sizes,reason", [
+    ("heads", dict(Hq=260, Hkv=2, S=4, Skv=4, D=128), "260 query heads > 256"),
+    ("head dim", dict(Hq=4, Hkv=2, S=4, Skv=4, D=520), "head dim 520 > 512"),
+    ("unaligned prefill", dict(Hq=4, Hkv=2, S=4, Skv=4, D=12), "head dim 12 is not 16-byte aligned in bfloat16"),
+    ("decode KV", dict(Hq=4, Hkv=2, S=1, Skv=262145, D=8), "KV length 262145 > 262144 at a decode step"),
+])
+def test_decoder_attention_is_declined_where_fia_refuses_the_sizes(npu, case, sizes, reason):
+    """The page's prefill and decode limits on N, D, its alignment and the decode KV length: declined by the
+    predicate with the reason, and refused by the stand-in (issue 47)."""
+    op = OPS["decoder_attention"]
+    q = torch.zeros(1, sizes["Hq"], sizes["S"], sizes["D"], dtype=torch.bfloat16)
+    k = torch.zeros(1, sizes["Hkv"], sizes["Skv"], sizes["D"], dtype=torch.bfloat16)
+    args = (q, k, k, 0.1, True, None, "pack")
+    assert reason in npu.supports("decoder_attention", *args)
+    with pytest.raises(RuntimeError, match="npu_fused_infer_attention_score: "):
+        torch_npu_standin.npu_fused_infer_attention_score(q, k, k, num_heads=sizes["Hq"],
+                                                          num_key_value_heads=sizes["Hkv"], input_layout="BNSD",
+                                                          scale=0.1)
+    assert op.golden(*args).shape == (1, sizes["S"], sizes["Hq"], sizes["D"])
 
 
 def test_decoder_attention_limits_are_the_documented_ones(npu, monkeypatch):

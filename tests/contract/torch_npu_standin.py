@@ -39,8 +39,10 @@ against this module, written from torch_npu's API pages:
   npu_fused_infer_attention_score(query, key, value, *, ..., actual_seq_lengths=None, actual_seq_lengths_kv=None,
       num_heads=1, scale=1.0, pre_tokens=2147483647, next_tokens=2147483647, input_layout="BSH",
       num_key_value_heads=0, sparse_mode=0, ...) -> (attention_out, softmax_lse): query fp16/bf16/int8, contiguous,
-      ND; Atlas A2/A3. Two layouts are stood in for: TND (what vllm-ascend's vision attention calls): [T, N, D]
-      query, key/value [T, N_kv, D], actual_seq_lengths(_kv) the cumulative ends of each sequence, no mask; and
+      ND; Atlas A2/A3; prefill B <= 65536 (<= 128 with D not 32-byte aligned), N <= 256, D <= 512 and 16-byte
+      aligned, decode KV_S <= 262144. Two layouts are stood in for: TND (what vllm-ascend's vision attention calls):
+      [T, N, D] query, key/value [T, N_kv, D] with D 128 (or 192 for q and k), actual_seq_lengths(_kv) the
+      cumulative ends of each sequence (at most 4096), no mask; and
       BNSD: query [B, N, S, D], key/value [B, N_kv, S_kv, D] (N a multiple of num_key_value_heads: query head h
       reads KV head h // (N / N_kv)), atten_mask bool True where a position is masked, [B, 1, S, S_kv] with
       sparse_mode 0, or the 2048 x 2048 upper-triangular mask with sparse_mode 3 (causal, S = S_kv here).
@@ -398,6 +400,21 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     _check(query.dtype in (torch.float16, torch.bfloat16) and key.dtype == value.dtype == query.dtype,
            f"npu_fused_infer_attention_score: dtypes {query.dtype}, {key.dtype}, {value.dtype}")
     _check(all(t.is_contiguous() and t.numel() for t in (query, key, value)), "non-contiguous or empty input")
+    # 约束说明 (Atlas A2/A3): Q_S > 1: B <= 65536 (<= 128 where D is not 32-byte aligned), N <= 256, D <= 512, D of a
+    # 16-bit query 16-byte aligned; Q_S = 1: B <= 65536, N <= 256, D <= 512, KV_S <= 262144
+    size = query.element_size()
+    if input_layout == "BNSD":
+        B, N, S, D = query.shape
+        kv = key.shape[2]
+    else:
+        B, N, D = len(actual_seq_lengths or []), query.shape[1], query.shape[-1]
+        S, kv = 2, 0  # TND here is a prefill (the vision attention)
+    _check(B <= 65536 and N <= 256 and D <= 512, f"npu_fused_infer_attention_score: B {B}, N {N}, D {D} beyond "
+                                                  f"65536, 256, 512")
+    _check(S == 1 or (D * size) % 16 == 0, f"npu_fused_infer_attention_score: D {D} not 16-byte aligned")
+    _check(S == 1 or (D * size) % 32 == 0 or B <= 128, f"npu_fused_infer_attention_score: B {B} > 128 with D {D} "
+                                                       f"not 32-byte aligned")
+    _check(S > 1 or kv <= 262144, f"npu_fused_infer_attention_score: KV_S {kv} > 262144 at Q_S 1")
     if input_layout == "BNSD":
         return _fia_bnsd(query, key, value, atten_mask, num_heads, num_key_value_heads, scale, sparse_mode), \
             torch.empty(1, dtype=query.dtype)
@@ -409,6 +426,12 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     ends = list(actual_seq_lengths)
     _check(all(b > a for a, b in zip([0] + ends[:-1], ends)) and ends[-1] == T,
            f"actual_seq_lengths {ends[:8]}...: cumulative ends rising to T = {T}")
+    # TND布局约束: at most 4096 sequences; without rope (D != 512) Q_D = K_D = V_D = 128, or Q_D = K_D = 192 with
+    # V_D 128 or 192
+    _check(len(ends) <= 4096, f"npu_fused_infer_attention_score: {len(ends)} sequences in TND (at most 4096)")
+    dims = (query.shape[-1], key.shape[-1], value.shape[-1])
+    _check(dims == (128, 128, 128) or (dims[:2] == (192, 192) and dims[2] in (128, 192)),
+           f"npu_fused_infer_attention_score: TND head dims {dims} (128, or 192 for q and k)")
     _check(atten_mask is None and pse_shift is None and sparse_mode == 0 and pre_tokens == next_tokens == 2147483647,
            "stand-in: the unmasked TND call only")
     out = OPS["varlen_attention"].golden(query, key, value, [0] + ends, scale, cast_mode="fp32")

@@ -41,6 +41,33 @@ def quant_limits(name: str, x: torch.Tensor, dst_type: str, backend) -> str | No
     return None
 
 
+# npu_fused_infer_attention_score's documented limits (torch_npu-npu_fused_infer_attention_score.md, 约束说明, Atlas
+# A2/A3): a prefill (Q_S > 1) B <= 65536 (<= 128 where D is not 32-byte aligned), N <= 256, D <= 512, D 16-byte
+# aligned for fp16/bf16; a decode step (Q_S = 1) B <= 65536, N <= 256, D <= 512, KV_S <= 262144. The TND layout:
+# at most 4096 sequences, and (no rope, D != 512) D = 128, or q/k D = 192 with v D 128 or 192.
+FIA = "npu_fused_infer_attention_score"
+FIA_MAX_B, FIA_MAX_N, FIA_MAX_D, FIA_MAX_KV_DECODE, FIA_MAX_TND_SEQUENCES = 65536, 256, 512, 262144, 4096
+FIA_TND_D = (128, 192)
+
+
+def fia_limits(B: int, N: int, S: int, D: int, kv: int, dtype) -> str | None:
+    """Why a BNSD (or, with B = the sequences, a TND) call of FIA at these sizes is refused by its page, or None."""
+    if B > FIA_MAX_B:
+        return f"{FIA}: batch {B} > {FIA_MAX_B}"
+    if N > FIA_MAX_N:
+        return f"{FIA}: {N} query heads > {FIA_MAX_N}"
+    if D > FIA_MAX_D:
+        return f"{FIA}: head dim {D} > {FIA_MAX_D}"
+    size = torch.empty((), dtype=dtype).element_size()
+    if S > 1 and (D * size) % 16:
+        return f"{FIA}: head dim {D} is not 16-byte aligned in {str(dtype).replace('torch.', '')} (a prefill)"
+    if S > 1 and (D * size) % 32 and B > 128:
+        return f"{FIA}: batch {B} > 128 with a head dim {D} that is not 32-byte aligned (a prefill)"
+    if S == 1 and kv > FIA_MAX_KV_DECODE:
+        return f"{FIA}: KV length {kv} > {FIA_MAX_KV_DECODE} at a decode step"
+    return None
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """torch_npu's norm ops want 2-8 dims: a 1-D input is one row."""
     return x.reshape(1, -1) if x.dim() == 1 else x

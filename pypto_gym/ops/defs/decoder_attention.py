@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..args import FLOAT_DTYPES, ArgValueError, Bool, Choice, Float, Output, Tensor, dtype_name
+from ..backends.npu import FIA, fia_limits
 from ..backends.pypto_attention import MAX_ROWS, key_tile, tiled_attention
 from ..backends.pypto_backend import MASKED
 from ..op import Op
@@ -116,10 +117,11 @@ def _fia_causal_mask(device) -> torch.Tensor:
 
 def _npu_supports(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
     if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"npu_fused_infer_attention_score: query {dtype_name(q.dtype)} (float16, bfloat16 or int8 only)"
+        return f"{FIA}: query {dtype_name(q.dtype)} (float16, bfloat16 or int8 only)"
     if backend.series_of(q) != "a2_a3":
-        return "npu_fused_infer_attention_score: supported on Atlas A2/A3 chips only"
-    return None
+        return f"{FIA}: supported on Atlas A2/A3 chips only"
+    B, N, S, D = q.shape
+    return fia_limits(B, N, S, D, k.shape[2], q.dtype)
 
 
 @DECODER_ATTENTION.impl("npu", supports=_npu_supports)
