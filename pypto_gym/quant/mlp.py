@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from ..ops import registry
 from ..patching.site import has_hooks
 from . import activations
 
@@ -50,9 +51,11 @@ class QuantMlp(activations.Producer):
 
     def _handed_rows(self, module, x):
         """(q, scale) of the norm's int8 rows if the int32 path can take them exactly, else None."""
-        if self.merged is None or x.device.type != "cpu":
+        if self.merged is None:
             return None
         _, _, gate, up = self.merged
+        if not _provides_int32_gemm(gate.backend, x.device.type):  # the NPU runs each int8 linear's npu_quant_matmul
+            return None
         if module.gate_proj is not gate.module or module.up_proj is not up.module:
             self.count("gate_proj or up_proj replaced after patching: the modules run")
             return None
@@ -89,3 +92,12 @@ class QuantMlp(activations.Producer):
         q, scale = ops.swiglu_dynamic_quant(gate, up, self.inv_smooth, cast_mode=site.cast_mode,
                                             backend=site.call.backend, stats=site.stats)
         return module.down_proj(self.hand_over(q, scale, gate.dtype))
+
+
+def _provides_int32_gemm(backend: str, device_type: str) -> bool:
+    """Whether the backend a site's calls go to on this device implements the merged int32 GEMM (the cpu backend, and
+    torch's golden);
+    decided by the op's registrations, not by the device type: the npu mapping on CPU tensors (the contract tests'
+    whole models) runs two npu_quant_matmul calls as on an NPU."""
+    candidates = registry.candidates(backend, device_type)
+    return bool(candidates) and (candidates[0] is registry.TORCH or candidates[0].family in ops.OPS["int32_gemm"].impls)
