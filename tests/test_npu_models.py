@@ -157,3 +157,61 @@ def test_a_tiny_qwen2_vl_runs_on_the_npu_mapping_as_on_torch(npu_on_cpu, dtype):
         c = compare(got.float(), want.float())
         assert c.cosine > 0.999, c
     _every_site_ran_on_npu(report)
+
+
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
+
+
+@pytest.mark.parametrize("quant", [None, "w8a8"], ids=["bf16", "w8a8"])
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_a_decode_step_on_the_npu_mapping_reads_nothing_back_to_the_host(npu_on_cpu, monkeypatch, name, quant):
+    """torch_npu's graph capture (NPUGraph, torchair) takes a decode step only if it makes no host synchronisation:
+    inside every npu mapping a decode step calls, a tensor's item/tolist/bool/int/float/index/numpy/cpu raises here
+    (the stand-in's own arithmetic, which stands for the device, is exempt). The prefill is not checked: it takes
+    the windows' bounds from the host (cu_seqlens, a list HF's own loop makes)."""
+    from pypto_gym.ops import OPS
+
+    family = models.FAMILIES[name]
+    model, processor = family.load(family.TINY_DIR, "bfloat16", "cpu")
+    pypto_gym.patch_model(model, backend="npu", cast_mode="fp32", strict=True, quant=quant)
+    batch = processor([family.CALIBRATION_PROMPTS[0]], None, None)
+    with torch.no_grad():
+        prefill = model(**batch, use_cache=True)
+    state = {"mapping": 0, "device": 0, "reads": []}
+
+    def forbidding(method):
+        real = getattr(torch.Tensor, method)
+
+        def guarded(self, *args, **kwargs):
+            if state["mapping"] and not state["device"]:
+                state["reads"].append(method)
+                raise AssertionError(f"host read {method}() inside the npu mapping of a decode step")
+            return real(self, *args, **kwargs)
+        return guarded
+
+    def entering(key, fn):
+        def wrapped(*args, **kwargs):
+            state[key] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                state[key] -= 1
+        return wrapped
+
+    for op in OPS.values():
+        impl = op.impls.get("npu")
+        if impl is not None:
+            monkeypatch.setattr(impl, "fn", entering("mapping", impl.fn))
+    for attr in dir(torch_npu_standin):
+        if attr.startswith("npu_"):
+            monkeypatch.setattr(torch_npu_standin, attr, entering("device", getattr(torch_npu_standin, attr)))
+    for method in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, method, forbidding(method))
+    calls = len(npu_on_cpu)
+    token = prefill.logits[:, -1:].argmax(-1)
+    mask = torch.cat([batch["attention_mask"], torch.ones_like(token)], -1)
+    with torch.no_grad():
+        model(input_ids=token, attention_mask=mask, past_key_values=prefill.past_key_values, use_cache=True)
+    monkeypatch.undo()
+    assert not state["reads"]
+    assert len(npu_on_cpu) > calls and "npu_fused_infer_attention_score" in npu_on_cpu[calls:]
