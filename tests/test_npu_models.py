@@ -9,6 +9,7 @@ patch. cast_mode is "fp32": the cast mode torch_npu's kernels compute in (in `hf
 design: torch_npu rounds once where HF rounds each product, so the call runs HF's math, counted).
 """
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -215,3 +216,33 @@ def test_a_decode_step_on_the_npu_mapping_reads_nothing_back_to_the_host(npu_on_
     monkeypatch.undo()
     assert not state["reads"]
     assert len(npu_on_cpu) > calls and "npu_fused_infer_attention_score" in npu_on_cpu[calls:]
+
+
+STANDIN = str(Path(__file__).parent / "contract" / "torch_npu_standin.py")
+
+
+def test_cases_check_is_the_deployment_readiness_report(tmp_path, capsys, monkeypatch):
+    """`pypto-gym cases check FILE --backend npu --chip CHIP [--torch-npu MODULE]`: per captured call, whether the npu
+    mapping takes it or declines it and why, the torch_npu module's verdict beside it; exit 1 when a call the
+    mapping takes is refused by the module (the crash the report is there to find)."""
+    cases = Path(__file__).parent / "cases" / "tiny_qwen2_5_vl.json"
+    out = tmp_path / "check.json"
+    assert cli_main(["cases", "check", str(cases), "--torch-npu", STANDIN, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "npu readiness on Ascend910B2 (a2_a3 series)" in text and "torch_npu refused 0 of the taken" in text
+    rows = json.loads(out.read_text())["rows"]
+    taken = [r for r in rows if r["mapping"] == "takes"]
+    assert taken and all(r["torch_npu"] == "accepted" and r["golden"] == "meets the rule" for r in taken)
+    assert all(r["reason"] for r in rows if r["mapping"] == "declined")
+    # on an Atlas inference series chip the A2/A3-only calls are declined, each saying so
+    assert cli_main(["cases", "check", str(cases), "--chip", "Ascend310P3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert any("Atlas A2/A3" in r["reason"] for r in rows) and all(r["torch_npu"] is None for r in rows)
+    # a mapping that makes a call the documentation refuses is caught: the stand-in made to refuse npu_swiglu
+    broken = tmp_path / "broken_standin.py"
+    broken.write_text(Path(STANDIN).read_text().replace(
+        'def npu_swiglu(input, dim=-1):\n    calls.append("npu_swiglu")',
+        'def npu_swiglu(input, dim=-1):\n    calls.append("npu_swiglu")\n    _check(False, "npu_swiglu: refused here")'))
+    assert "refused here" in broken.read_text()
+    assert cli_main(["cases", "check", str(cases), "--torch-npu", str(broken)]) == 1
+    assert "REFUSED: npu_swiglu: refused here" in capsys.readouterr().out
