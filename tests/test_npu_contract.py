@@ -276,13 +276,34 @@ def test_quant_matmul_static_maps_onto_npu_quant_matmul_with_an_int32_bias(npu, 
     x_q = torch.randint(-128, 128, (2, 3, 64), generator=gen, dtype=torch.int8)
     w_q = torch.randint(-128, 128, (24, 64), generator=gen, dtype=torch.int8)
     deq = torch.rand(24, generator=gen) * 1e-4
+    op = OPS["quant_matmul_static"]
     for bias in (None, torch.randint(-2 ** 20, 2 ** 20, (24,), generator=gen, dtype=torch.int32)):
         args = (x_q, w_q, deq, bias, out_dtype)
         assert npu.supports("quant_matmul_static", *args) is None
-        assert torch.equal(npu.quant_matmul_static(*args), OPS["quant_matmul_static"].golden(*args))
+        got = npu.quant_matmul_static(*args)
+        if out_dtype == torch.bfloat16:
+            assert torch.equal(got, op.golden(*args))
+        else:  # the hardware's scale is deq_scale rounded to 19 bits (npu_trans_quant_param, round_mode=1)
+            assert torch.equal(got, op.golden(x_q, w_q, torch_npu_standin.trans_quant_scale(deq, 1), bias, out_dtype))
+            assert_close(got, op.golden(*args), op.outputs)
     assert torch_npu_standin.calls[-2:] == (["npu_trans_quant_param", "npu_quant_matmul"]
                                            if out_dtype == torch.float16 else ["npu_quant_matmul"] * 2)
     assert "float32" in npu.supports("quant_matmul_static", x_q, w_q, deq, None, torch.float32)
+
+
+def test_npu_trans_quant_param_keeps_the_scales_upper_19_bits_as_documented():
+    """torch_npu-npu_trans_quant_param.md: out = (scale & 0xFFFFE000) | (1 << 46), the scale first rounded to those
+    19 bits with round_mode=1. The stand-in kept all 32 bits, so the contract test's fp16 bit-equality was its own
+    artefact (issue 47): worked examples of both modes, and the mapping asks for the rounding."""
+    one_plus = torch.tensor([1.0 + 2 ** -11 + 2 ** -13], dtype=torch.float32)  # above the halfway point of 2^-10
+    assert float(torch_npu_standin.trans_quant_scale(one_plus, 0)) == 1.0  # truncated
+    assert float(torch_npu_standin.trans_quant_scale(one_plus, 1)) == 1.0 + 2 ** -10  # rounded up
+    exact = torch.tensor([0.75])
+    out = torch_npu_standin.npu_trans_quant_param(exact, round_mode=1)
+    assert int(out) == (0x3F400000 | (1 << 46))
+    from pypto_gym.ops.defs.quant_matmul import TRANS_QUANT_ROUND
+
+    assert TRANS_QUANT_ROUND == 1
 
 
 def test_quant_matmul_limits_are_the_documented_ones(npu, monkeypatch):
@@ -494,7 +515,8 @@ def test_decoder_attention_is_one_bnsd_fused_attention_call(npu, fia_call, case)
 
 
 @pytest.mark.parametrize("case,sizes,reason", [
-    ("heads", dict(Hq=260, Hkv=2, S=4, Skv=4, D=128), "260 query heads > 256"),
+    ("heads", dict(Hq=260, Hkv=260, S=4, Skv=4, D=128), "260 query heads > 256"),
+    ("group", dict(Hq=130, Hkv=2, S=4, Skv=4, D=128), "65 query heads per KV head (at most 64)"),
     ("head dim", dict(Hq=4, Hkv=2, S=4, Skv=4, D=520), "head dim 520 > 512"),
     ("unaligned prefill", dict(Hq=4, Hkv=2, S=4, Skv=4, D=12), "head dim 12 is not 16-byte aligned in bfloat16"),
     ("decode KV", dict(Hq=4, Hkv=2, S=1, Skv=262145, D=8), "KV length 262145 > 262144 at a decode step"),
@@ -512,6 +534,32 @@ def test_decoder_attention_is_declined_where_fia_refuses_the_sizes(npu, case, si
                                                           num_key_value_heads=sizes["Hkv"], input_layout="BNSD",
                                                           scale=0.1)
     assert op.golden(*args).shape == (1, sizes["S"], sizes["Hq"], sizes["D"])
+
+
+def test_a_padding_row_that_sees_no_key_asks_for_the_documented_row_correction(npu, fia_call):
+    """A left-padded batch's prefill: the padding rows of the shorter prompt attend to no key. The page's inner_precise
+    table asks for its row-invalid correction (2 or 3) there; the mapping passed none (issue 47). The stand-in
+    refuses such a call without it and gives zero rows with it, as torch's sdpa does: equal to the golden."""
+    op = OPS["decoder_attention"]
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 6, 64, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(2, 2, 6, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)
+    mask[1, :, :, :2] = False  # the second prompt is 2 tokens shorter: its first two rows see no key
+    mask[1, :, :2, :] = False
+    args = (q, k, v, 64 ** -0.5, True, mask, "pack")
+    with pytest.raises(RuntimeError, match="a mask row with no key needs inner_precise 2 or 3"):
+        torch_npu_standin.npu_fused_infer_attention_score(q, k, v, atten_mask=~mask, num_heads=4,
+                                                          num_key_value_heads=2, input_layout="BNSD", scale=0.125)
+    out = npu.decoder_attention(*args)
+    assert fia_call["inner_precise"] == 2
+    golden = op.golden(*args)
+    assert torch.equal(golden[1, :2], torch.zeros_like(golden[1, :2])) and torch.equal(out[1, :2], golden[1, :2])
+    assert_close(out, golden, op.outputs)
+    decode = op.example_args({"B": 2, "Hq": 4, "Hkv": 2, "S": 1, "Skv": 9, "D": 64, "scale": 0.125, "is_causal": True})
+    fia_call.clear()
+    npu.decoder_attention(*decode)
+    assert fia_call.get("inner_precise", 0) in (0, 1) and fia_call["shape"][2] == 1  # 0 and 1 only at Q_S 1
 
 
 def test_decoder_attention_limits_are_the_documented_ones(npu, monkeypatch):

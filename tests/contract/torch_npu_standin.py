@@ -26,7 +26,9 @@ against this module, written from torch_npu's API pages:
   npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True) -> int8 codes of input per channel along
       axis (scales/zero_points [D] or [1]), torch.qint8 only here; with div_mode=True scales fp32 (or bf16 on A2/A3)
       and zero_points int8/uint8/int32 (or bf16 on A2/A3), with div_mode=False both of input's dtype.
-  npu_trans_quant_param(scale, offset=None) -> int64: each fp32 scale's bit pattern (the fp16 output's scale).
+  npu_trans_quant_param(scale, offset=None, round_mode=0) -> int64: each fp32 scale kept to its upper 19 bits
+      (truncated, or rounded with round_mode=1) in the low 32 bits, bit 46 set (the fp16 output's scale): what
+      npu_quant_matmul then computes with.
   Static rows of npu_quant_matmul (no pertoken_scale): output bf16 with scale fp32, output fp16 with scale int64
       (npu_trans_quant_param); an int32 bias is added to the int32 accumulator before dequantisation.
   npu_swiglu(input, dim=-1) -> swish(A) * B for the halves A, B of input along dim: 1-8 dims, dim's size
@@ -174,8 +176,10 @@ def _static_quant_matmul(x1, x2, scale, bias, output_dtype, n):
     _check(output_dtype != torch.bfloat16 or _a2_a3(), "npu_quant_matmul: bfloat16 output on A2/A3 only")
     _check(bias is None or (bias.dtype == torch.int32 and tuple(bias.shape) == (n,)),
            "npu_quant_matmul: bias int32 [n]")
-    if scale.dtype == torch.int64:  # npu_trans_quant_param's encoding: the fp32 bit pattern
-        scale = scale.to(torch.int32).view(torch.float32)
+    if scale.dtype == torch.int64:  # npu_trans_quant_param's encoding: bit 46 set, the 19-bit fp32 scale below
+        _check(bool(((scale >> 46) & 1).all()), "npu_quant_matmul: an int64 scale not made by npu_trans_quant_param")
+        low = scale & 0xFFFFFFFF
+        scale = torch.where(low >= 2 ** 31, low - 2 ** 32, low).to(torch.int32).view(torch.float32)
     return OPS["quant_matmul_static"].golden(x1, x2.transpose(-1, -2), scale.expand(n), bias, output_dtype)
 
 
@@ -239,10 +243,23 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
     return _per_channel(input.float(), scales, zero_points, div_mode)
 
 
-def npu_trans_quant_param(scale, offset=None):
+def trans_quant_scale(scale, round_mode=0):
+    """The fp32 scale npu_trans_quant_param leaves (torch_npu-npu_trans_quant_param.md, 计算公式): round_mode 1 rounds
+    the bit pattern to its upper 19 bits (sign, exponent, 10 mantissa bits), round_mode 0 truncates to them."""
+    bits = scale.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if round_mode == 1:
+        bits = bits + 0x1000
+    bits = bits & 0xFFFFE000
+    return torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32).view(torch.float32)
+
+
+def npu_trans_quant_param(scale, offset=None, round_mode=0):
     calls.append("npu_trans_quant_param")
     _check(scale.dtype == torch.float32 and offset is None, "npu_trans_quant_param: fp32 scale, no offset here")
-    return scale.view(torch.int32).to(torch.int64)
+    _check(round_mode in (0, 1), f"npu_trans_quant_param: round_mode {round_mode} (0 or 1)")
+    # out = (scale's upper 19 bits) | (1 << 46), the fp32 bits in the low 32
+    bits = trans_quant_scale(scale, round_mode).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return bits | (1 << 46)
 
 
 def npu_swiglu(input, dim=-1):
@@ -389,11 +406,23 @@ def npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSND", rotary_mode="h
     return query, key
 
 
+FIA_OTHER_KEYWORDS = {"dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2", "quant_offset2",
+                      "antiquant_scale", "antiquant_offset", "block_table", "query_padding_size", "kv_padding_size",
+                      "key_antiquant_scale", "key_antiquant_offset", "value_antiquant_scale", "value_antiquant_offset",
+                      "key_shared_prefix", "value_shared_prefix", "actual_shared_prefix_len", "query_rope", "key_rope",
+                      "key_rope_antiquant_scale", "block_size", "antiquant_mode", "softmax_lse_flag",
+                      "key_antiquant_mode", "value_antiquant_mode"}  # the signature's other keywords (函数原型)
+
+
 def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
                                     actual_seq_lengths_kv=None, num_heads=1, scale=1.0, pre_tokens=2147483647,
                                     next_tokens=2147483647, input_layout="BSH", num_key_value_heads=0, sparse_mode=0,
-                                    **rest):
+                                    inner_precise=0, **rest):
     calls.append("npu_fused_infer_attention_score")
+    _check(set(rest) <= FIA_OTHER_KEYWORDS, f"npu_fused_infer_attention_score: no keyword {sorted(set(rest) - FIA_OTHER_KEYWORDS)}")
+    _check(all(v in (None, 0, False) for v in rest.values()), "stand-in: quantisation, paging, prefix and rope "
+                                                              "keywords are not stood in for")
+    _check(inner_precise in (0, 1, 2, 3), f"npu_fused_infer_attention_score: inner_precise {inner_precise} (0-3)")
     _check(_a2_a3(), "npu_fused_infer_attention_score: Atlas A2/A3 only")
     _check(input_layout in ("TND", "BNSD"), f"stand-in: only the TND and BNSD layouts are stood in for, got "
                                             f"{input_layout}")
@@ -416,8 +445,8 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
                                                        f"not 32-byte aligned")
     _check(S > 1 or kv <= 262144, f"npu_fused_infer_attention_score: KV_S {kv} > 262144 at Q_S 1")
     if input_layout == "BNSD":
-        return _fia_bnsd(query, key, value, atten_mask, num_heads, num_key_value_heads, scale, sparse_mode), \
-            torch.empty(1, dtype=query.dtype)
+        return _fia_bnsd(query, key, value, atten_mask, num_heads, num_key_value_heads, scale, sparse_mode,
+                         inner_precise), torch.empty(1, dtype=query.dtype)
     _check(query.dim() == 3 and query.shape[1] == num_heads, f"query {tuple(query.shape)} is not [T, {num_heads}, D]")
     _check(key.shape[1] == (num_key_value_heads or num_heads) and key.shape == value.shape, "key/value heads")
     T = query.shape[0]
@@ -438,12 +467,16 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     return out, torch.empty(1, dtype=query.dtype)
 
 
-def _fia_bnsd(query, key, value, atten_mask, num_heads, num_key_value_heads, scale, sparse_mode):
+def _fia_bnsd(query, key, value, atten_mask, num_heads, num_key_value_heads, scale, sparse_mode, inner_precise):
     B, N, S, D = query.shape
     Nkv, Skv = key.shape[1], key.shape[2]
     _check(query.dim() == 4 and N == num_heads and Nkv == (num_key_value_heads or num_heads) and N % Nkv == 0,
            f"BNSD: query {tuple(query.shape)}, key {tuple(key.shape)}, num_heads {num_heads}, "
            f"num_key_value_heads {num_key_value_heads}")
+    # num_key_value_heads: num_heads divisible by it, the ratio at most 64
+    _check(N // Nkv <= 64, f"npu_fused_infer_attention_score: {N // Nkv} query heads per KV head (at most 64)")
+    # inner_precise: at Q_S = 1 only 0 and 1 (its table's note)
+    _check(S > 1 or inner_precise in (0, 1), f"npu_fused_infer_attention_score: inner_precise {inner_precise} at Q_S 1")
     _check(key.shape == value.shape and key.shape[0] == B and key.shape[3] == D, "BNSD: key/value shapes")
     masked = None
     if sparse_mode == 3:
@@ -457,9 +490,19 @@ def _fia_bnsd(query, key, value, atten_mask, num_heads, num_key_value_heads, sca
                f"atten_mask {tuple(atten_mask.shape)} {atten_mask.dtype} with sparse_mode {sparse_mode}: expected bool "
                f"[B, 1, S, S_kv] with sparse_mode 0")
         masked = atten_mask
+    # a row the mask leaves no key to (a left-padded prompt's padding rows): the page's inner_precise table says such
+    # rows need its row-invalid correction (2 or 3) in a prefill; corrected, the row is zeros (torch's sdpa gives
+    # zeros there too)
+    empty_rows = None if masked is None else masked.all(-1)
+    if empty_rows is not None and S > 1 and bool(empty_rows.any()):
+        _check(inner_precise in (2, 3), "npu_fused_infer_attention_score: a mask row with no key needs inner_precise "
+                                        "2 or 3 (row-invalid correction)")
     groups = N // Nkv
     k, v = (t.float().repeat_interleave(groups, dim=1) for t in (key, value))
     scores = query.float() @ k.transpose(-1, -2) * scale
     if masked is not None:
         scores = scores.masked_fill(masked, float("-inf"))
-    return (scores.softmax(-1) @ v).to(query.dtype)
+    out = scores.softmax(-1) @ v
+    if empty_rows is not None:
+        out = out.masked_fill(empty_rows.expand(B, N, S)[..., None], 0.0)
+    return out.to(query.dtype)

@@ -107,6 +107,9 @@ def _(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
 # (num_key_value_heads); a causal prefill as sparse_mode 3 with the 2048 x 2048 upper-triangular mask the docs ask
 # for, a padding mask passed inverted (FIA masks where True); S = 1 takes its incremental (decode) branch.
 FIA_CAUSAL = 2048
+# inner_precise 2: high precision with the row-invalid correction its page asks for where a mask row is all masked
+# (a left-padded batch's padding rows; corrected rows are zeros, as torch's sdpa gives); a decode step takes 0 or 1
+FIA_ROW_CORRECTION = 2
 
 
 @functools.lru_cache(maxsize=8)
@@ -121,6 +124,8 @@ def _npu_supports(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
     if backend.series_of(q) != "a2_a3":
         return f"{FIA}: supported on Atlas A2/A3 chips only"
     B, N, S, D = q.shape
+    if N // k.shape[1] > 64:
+        return f"{FIA}: {N // k.shape[1]} query heads per KV head (at most 64)"
     return fia_limits(B, N, S, D, k.shape[2], q.dtype)
 
 
@@ -131,8 +136,8 @@ def _(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
     if is_causal and S > 1 and attn_mask is None:
         k, v = k[:, :, :S], v[:, :, :S]
         kw = {"atten_mask": _fia_causal_mask(q.device), "sparse_mode": 3}
-    elif attn_mask is not None:
-        kw = {"atten_mask": ~attn_mask, "sparse_mode": 0}
+    elif attn_mask is not None:  # a prefill's padding mask can leave a row no key: the page's correction for it
+        kw = {"atten_mask": ~attn_mask, "sparse_mode": 0, **({"inner_precise": FIA_ROW_CORRECTION} if S > 1 else {})}
     out, _ = backend.torch_npu().npu_fused_infer_attention_score(
         q.contiguous(), k.contiguous(), v.contiguous(), num_heads=Hq, num_key_value_heads=k.shape[1],
         input_layout="BNSD", scale=float(scale), **kw)

@@ -224,7 +224,11 @@ def _(backend, x_q, w_q, x_scale, w_scale, bias, out_dtype):
 
 # The static form as vllm-ascend's W8A8 method calls it: npu_quant_matmul(x, w^T, deq_scale, bias=quant_bias
 # (int32), output_dtype). bf16 output takes the fp32 deq_scale (A2/A3); fp16 output takes it as int64, converted
-# by npu_trans_quant_param (what msModelSlim stores for fp16 models).
+# by npu_trans_quant_param (what msModelSlim stores for fp16 models), which keeps the scale's upper 19 bits (sign,
+# exponent, 10 mantissa bits): round_mode=1 rounds to them (0, the default, truncates). So fp16 output on the NPU
+# computes with a scale within 2^-11 of deq_scale: within the precision rule of the golden, not bit-identical
+# (about half of fp16 outputs 1-2 ulp apart; docs/reference.md's precision classes).
+TRANS_QUANT_ROUND = 1
 def _npu_static_supports(backend, x_q, w_q, deq_scale, quant_bias, out_dtype):
     name = "npu_quant_matmul"
     if not x_q.numel() or not w_q.numel():
@@ -240,7 +244,8 @@ def _npu_static_supports(backend, x_q, w_q, deq_scale, quant_bias, out_dtype):
 def _(backend, x_q, w_q, deq_scale, quant_bias, out_dtype):
     tnpu = backend.torch_npu()
     K, N = x_q.shape[-1], w_q.shape[0]
-    scale = deq_scale if out_dtype == torch.bfloat16 else tnpu.npu_trans_quant_param(deq_scale)
+    scale = deq_scale if out_dtype == torch.bfloat16 else tnpu.npu_trans_quant_param(deq_scale,
+                                                                                     round_mode=TRANS_QUANT_ROUND)
     x1 = x_q.reshape(-1, K)
     blocks = [tnpu.npu_quant_matmul(x1, w_q[a:b].t(), scale[a:b], bias=None if quant_bias is None else quant_bias[a:b],
                                     output_dtype=out_dtype) for a, b in _column_blocks(N)]
