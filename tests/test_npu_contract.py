@@ -562,6 +562,21 @@ def test_a_padding_row_that_sees_no_key_asks_for_the_documented_row_correction(n
     assert fia_call.get("inner_precise", 0) in (0, 1) and fia_call["shape"][2] == 1  # 0 and 1 only at Q_S 1
 
 
+def test_npu_swiglu_quant_takes_its_smooth_scales_as_one_group(npu):
+    """torch_npu-npu_swiglu_quant.md documents smooth_scales as [G, N] or [G]: without group_index one group, [1, N];
+    the mapping passed [N] (issue 47). The stand-in refuses [N]; the mapping's call meets the golden."""
+    gen = torch.Generator().manual_seed(4)
+    gate, up = (torch.randn(5, 96, generator=gen) for _ in range(2))
+    smooth = 0.5 + torch.rand(96, generator=gen)
+    with pytest.raises(RuntimeError, match=r"smooth_scales \(96,\): documented float32 \[G, N\] or \[G\], G = 1"):
+        torch_npu_standin.npu_swiglu_quant(torch.cat([gate, up], -1), smooth_scales=smooth, activate_left=True,
+                                           quant_mode=1, dst_type=torch.int8)
+    op = OPS["swiglu_dynamic_quant"]
+    args = (gate, up, smooth, "fp32", "int8")
+    assert npu.supports("swiglu_dynamic_quant", *args) is None
+    assert_close(npu.swiglu_dynamic_quant(*args), op.golden(*args), op.outputs)
+
+
 def test_decoder_attention_limits_are_the_documented_ones(npu, monkeypatch):
     op = OPS["decoder_attention"]
     args = op.example_args(op.examples[4])  # fp32

@@ -328,13 +328,16 @@ def npu_swiglu_quant(x, *, smooth_scales=None, offsets=None, group_index=None, a
     _check(quant_mode == 1 and group_index is None and offsets is None, "npu_swiglu_quant: only dynamic, ungrouped "
            "quantisation is modelled here")
     _check(dst_type in (None, torch.int8), "npu_swiglu_quant: only int8 is modelled here")
-    _check(smooth_scales is None or (smooth_scales.dtype == torch.float32
-                                     and tuple(smooth_scales.shape) == (x.shape[-1] // 2,)),
-           "npu_swiglu_quant: smooth_scales must be float32 [N]")
+    # smooth_scales: float32, shape [G, N] or [G] (G groups of group_index; one group without it)
+    groups = 1 if group_index is None else group_index.shape[0]
+    _check(smooth_scales is None or (smooth_scales.dtype == torch.float32 and tuple(smooth_scales.shape) in
+                                     ((groups, x.shape[-1] // 2), (groups,))),
+           f"npu_swiglu_quant: smooth_scales {None if smooth_scales is None else tuple(smooth_scales.shape)}: "
+           f"documented float32 [G, N] or [G], G = {groups}")
     a, b = x.float().chunk(2, dim=-1)
     y = torch.nn.functional.silu(a) * b if activate_left else a * torch.nn.functional.silu(b)
     if smooth_scales is not None:
-        y = y * smooth_scales
+        y = y * (smooth_scales.reshape(-1) if smooth_scales.shape[-1] == y.shape[-1] else smooth_scales.reshape(()))
     scale = 127.0 / y.abs().amax(-1)
     return torch.round(y * scale.unsqueeze(-1)).clamp(-128, 127).to(torch.int8), scale
 

@@ -50,7 +50,8 @@ def _(backend, gate, up, smooth_scales, cast_mode, dst_type):
 # npu_swiglu_quant(x, *, smooth_scales, offsets, group_index, activate_left, quant_mode, group_list_type,
 # dst_type) -> (y, scale): x [..., 2N] (gate first with activate_left=True: its default False activates the
 # right half), fp16/bf16/fp32, more than one dim, last dim even and <= 8192 (so GutenOCR-3B's 11008-wide
-# text MLP does not fit; its 3420-wide vision MLP does); smooth_scales fp32 [N]; quant_mode=1 is dynamic.
+# text MLP does not fit; its 3420-wide vision MLP does); smooth_scales fp32 [G, N] (one group here: [1, N]);
+# quant_mode=1 is dynamic.
 # It computes in fp32: our fp32 mode (hf mode's two roundings to bf16 move ~3% of the codes by one, measured
 # on the first example, so hf mode on a half dtype is not taken). Its scale is
 # the multiplier 127 / row_max (CANN 8.3 and later documents Y = Cast(Y_tmp * scale)): ours is its
@@ -84,7 +85,8 @@ def _(backend, gate, up, smooth_scales, cast_mode, dst_type):
     merged = merged_halves(gate, up)
     if merged is None:
         merged = torch.cat([gate, up], dim=-1)
-    smooth = None if smooth_scales is None else smooth_scales.reshape(gate.shape[-1])
+    # smooth_scales' documented shapes are [G, N] and [G] (G groups): without group_index one group, [1, N]
+    smooth = None if smooth_scales is None else smooth_scales.reshape(1, gate.shape[-1])
     y, multiplier = backend.torch_npu().npu_swiglu_quant(merged, smooth_scales=smooth, activate_left=True,
                                                          quant_mode=1, dst_type=torch.int8)
     return y, (1.0 / multiplier).reshape(gate.shape[:-1])
