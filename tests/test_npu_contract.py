@@ -577,6 +577,32 @@ def test_npu_swiglu_quant_takes_its_smooth_scales_as_one_group(npu):
     assert_close(npu.swiglu_dynamic_quant(*args), op.golden(*args), op.outputs)
 
 
+def test_keywords_newer_releases_added_are_passed_only_where_needed(npu, monkeypatch):
+    """y_dtype, beta and rotary_mode are keywords older torch_npu releases lack: a call that does not need one does
+    not pass it (issue 47), so it runs on those releases too; every op's examples are run with a spy on each call."""
+    from pypto_gym.ops.backends.npu import NEWER_KEYWORDS
+
+    passed = []
+    for name, keywords in NEWER_KEYWORDS.items():
+        real = getattr(torch_npu_standin, name)
+
+        def spy(*args, _real=real, _name=name, _keywords=keywords, **kwargs):
+            passed.extend((_name, k, kwargs[k]) for k in _keywords if k in kwargs)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(torch_npu_standin, name, spy)
+    for op in NPU_OPS:
+        for example in op.examples:
+            args = op.example_args(example)
+            if npu.supports(op.name, *args) is None:
+                getattr(npu, op.name)(*args)
+    int4 = OPS["add_rms_norm_dynamic_quant"].example_args({"R": (3,), "D": 64, "dst_type": "int4"})
+    npu.add_rms_norm_dynamic_quant(*int4)  # the one call that needs y_dtype
+    beta = [p for p in passed if p[1] == "beta"]
+    assert all(p[1] in ("beta", "y_dtype") for p in passed), passed  # never rotary_mode
+    assert all(v is not None for _, _, v in beta) and all(v == torch.quint4x2 for _, k, v in passed if k == "y_dtype")
+    assert beta and any(p[1] == "y_dtype" for p in passed)  # the examples with a beta and an int4 output pass them
+
+
 def test_decoder_attention_limits_are_the_documented_ones(npu, monkeypatch):
     op = OPS["decoder_attention"]
     args = op.example_args(op.examples[4])  # fp32

@@ -15,6 +15,15 @@ import torch
 from ..registry import Backend, register
 
 HALF = (torch.float16, torch.bfloat16)
+# The mapping follows torch_npu's pages on Ascend/op-plugin master and branch 26.0.0 (the `npu` extra pins torch_npu
+# 2.13.0, matching torch). Keywords that older releases lack are passed only where a call needs them, so a call
+# that does not need them runs on those releases too: `y_dtype` of npu_add_rms_norm_dynamic_quant (int4 only),
+# `beta` of npu_add_rms_norm_quant and npu_add_rms_norm_dynamic_quant (given only), `rotary_mode` of the rotary ops
+# (never: "half" is the default), `round_mode` of npu_trans_quant_param and `inner_precise` of
+# npu_fused_infer_attention_score (where their pages ask for them).
+NEWER_KEYWORDS = {"npu_add_rms_norm_dynamic_quant": ("y_dtype", "beta"), "npu_add_rms_norm_quant": ("beta",),
+                  "npu_apply_rotary_pos_emb": ("rotary_mode",), "npu_rotary_mul": ("rotary_mode",),
+                  "npu_mrope": ("rotary_mode",)}
 
 
 def chip_series(device_name: str) -> str:

@@ -178,10 +178,13 @@ def _npu_add_quant(backend, x1, x2, gamma, smooth_scale1, smooth_scale2, beta, e
     D = x1.shape[-1]
     vec = (lambda t: None if t is None else t.reshape(D))  # noqa: E731
     two = smooth_scale2 is not None
+    # keywords a torch_npu release may lack (beta, y_dtype) only where the call needs them (npu.py: NEWER_KEYWORDS)
+    optional = {"beta": vec(beta)} if beta is not None else {}
+    if dst_type == "int4":
+        optional["y_dtype"] = torch.quint4x2
     y1, y2, x_out, s1, s2 = backend.torch_npu().npu_add_rms_norm_dynamic_quant(
         as_rows(x1), as_rows(x2), gamma.reshape(D), smooth_scale1=vec(smooth_scale1),
-        smooth_scale2=vec(smooth_scale2), beta=vec(beta), epsilon=eps, output_mask=[True, two],
-        y_dtype=torch.quint4x2 if dst_type == "int4" else torch.int8)
+        smooth_scale2=vec(smooth_scale2), epsilon=eps, output_mask=[True, two], **optional)
     if dst_type == "int4":  # eight codes per int32 -> one code per int8
         y1 = unpack_int4_from_int32(y1)
         y2 = unpack_int4_from_int32(y2) if two else y2
@@ -339,9 +342,9 @@ def npu_static_params(name, x, scale, offset):
 def _npu_add_static(backend, x1, x2, gamma, scale, offset, beta, eps):
     scales, zeros = npu_static_params(STATIC_NAME, x1, scale, offset)
     D = x1.shape[-1]
+    optional = {} if beta is None else {"beta": beta.reshape(D)}  # beta: a keyword older releases lack
     y, _, x_out = backend.torch_npu().npu_add_rms_norm_quant(
-        as_rows(x1), as_rows(x2), gamma.reshape(D), scales, zeros, beta=None if beta is None else beta.reshape(D),
-        epsilon=eps, div_mode=True)
+        as_rows(x1), as_rows(x2), gamma.reshape(D), scales, zeros, epsilon=eps, div_mode=True, **optional)
     return y.reshape(x1.shape), x_out.reshape(x1.shape)
 
 

@@ -632,11 +632,11 @@ def _npu_rotate(backend, lay, cast_mode, out_dtypes):
         if c.shape[0] != xs[0].shape[0]:
             c, s = (t.expand(xs[0].shape[0], *t.shape[1:]).contiguous() for t in (c, s))
         ys = tnpu.npu_apply_rotary_pos_emb(*(x.clone(memory_format=torch.contiguous_format) for x in xs), c, s,
-                                           layout="BSND", rotary_mode="half")
+                                           layout="BSND")  # rotary_mode's default "half": the keyword is newer
     else:
         ys = []
         for x in xs:
-            y = tnpu.npu_rotary_mul(x[..., :lay.E].contiguous(), c, s, rotary_mode="half")
+            y = tnpu.npu_rotary_mul(x[..., :lay.E].contiguous(), c, s)  # rotary_mode's default: "half"
             ys.append(y if lay.E == lay.D else torch.cat((y, x[..., lay.E:]), dim=-1))
     return [y.to(dt) for y, dt in zip(ys, out_dtypes)]
 
@@ -844,7 +844,7 @@ def _(backend, positions, query, key, cos_sin_cache, head_size, mrope_section, c
     T = positions.shape[-1]
     q2, k2 = (x.reshape(T, -1).float() for x in (query, key))
     yq, yk = backend.torch_npu().npu_mrope(positions.to(torch.int64), q2, k2, cos_sin_cache.float(), head_size,
-                                           mrope_section=list(mrope_section) or None, rotary_mode="half")
+                                           mrope_section=list(mrope_section) or None)  # rotary_mode "half"
     return yq.to(query.dtype).reshape(query.shape), yk.to(key.dtype).reshape(key.shape)
 
 
