@@ -603,6 +603,28 @@ def test_keywords_newer_releases_added_are_passed_only_where_needed(npu, monkeyp
     assert beta and any(p[1] == "y_dtype" for p in passed)  # the examples with a beta and an int4 output pass them
 
 
+def test_npu_mrope_takes_the_documented_sections_and_head_sizes(npu):
+    """torch_npu-npu_mrope.md: mrope_section one of [16, 24, 24], [24, 20, 20], [8, 12, 12], [16, 16, 16, 16] (or
+    none), head_size and rotary_dim multiples of 16 in fp32 (32 in fp16/bf16); nothing was checked (issue 47). The
+    predicate declines the rest with the reason, the stand-in refuses it, and Qwen2.5-VL's split is taken."""
+    op = OPS["rotary_embedding"]
+    base = {"P": (3,), "T": 6, "Q": (2 * 128,), "K": (2 * 128,), "M": 24, "E": 128, "head_size": 128,
+            "cast_mode": "fp32", "dtype": torch.bfloat16, "cos_sin_cache_dtype": torch.float32}
+    args = op.example_args({**base, "mrope_section": [16, 24, 24]})
+    assert npu.supports("rotary_embedding", *args) is None
+    assert_close(npu.rotary_embedding(*args), op.golden(*args), op.outputs)
+    odd = op.example_args({**base, "mrope_section": [20, 22, 22]})
+    assert "mrope_section [20, 22, 22] is not one of the documented" in npu.supports("rotary_embedding", *odd)
+    with pytest.raises(RuntimeError, match=r"mrope_section \[20, 22, 22\] is not documented"):
+        torch_npu_standin.npu_mrope(odd[0], odd[1].float(), odd[2].float(), odd[3].float(), 128,
+                                    mrope_section=[20, 22, 22])
+    narrow = op.example_args({**base, "Q": (2 * 24,), "K": (2 * 24,), "E": 24, "head_size": 24, "P": (),
+                              "mrope_section": []})
+    assert "head_size 24 and rotary_dim 24 must be multiples of 16" in npu.supports("rotary_embedding", *narrow)
+    with pytest.raises(RuntimeError, match="must be multiples of 16"):
+        torch_npu_standin.npu_mrope(narrow[0], narrow[1].float(), narrow[2].float(), narrow[3].float(), 24)
+
+
 def test_decoder_attention_limits_are_the_documented_ones(npu, monkeypatch):
     op = OPS["decoder_attention"]
     args = op.example_args(op.examples[4])  # fp32

@@ -375,6 +375,13 @@ def npu_mrope(positions, query, key, cos_sin_cache, head_size, *, mrope_section=
            f"npu_mrope: positions {positions.dtype} {tuple(positions.shape)}")
     _check(query.dim() == 2 and key.dim() == 2 and cos_sin_cache.dim() == 2, "npu_mrope: 2-D query, key, cache")
     _check(len({query.dtype, key.dtype, cos_sin_cache.dtype}) == 1, "npu_mrope: one dtype")
+    # 约束说明: head_size and rotary_dim multiples of 32 (fp16/bf16) or 16 (fp32); mrope_section one of the
+    # documented splits (or none / [0, 0, 0]: RoPE)
+    multiple = 16 if query.dtype == torch.float32 else 32
+    _check(head_size % multiple == 0 and cos_sin_cache.shape[-1] % multiple == 0,
+           f"npu_mrope: head_size {head_size} and rotary_dim {cos_sin_cache.shape[-1]} must be multiples of {multiple}")
+    _check(mrope_section in (None, [0, 0, 0], [16, 24, 24], [24, 20, 20], [8, 12, 12], [16, 16, 16, 16]),
+           f"npu_mrope: mrope_section {mrope_section} is not documented")
     T = positions.shape[-1]
     rot = cos_sin_cache.shape[-1]
     _check(query.shape[0] == T and key.shape[0] == T and query.shape[1] % head_size == 0

@@ -827,12 +827,22 @@ def _(backend, positions, query, key, cos_sin_cache, head_size, mrope_section, c
 # npu: torch_npu.npu_mrope(positions, query, key, cos_sin_cache, head_size, mrope_section=, rotary_mode="half")
 # (aclnnRopeWithSinCosCache) is this op: positions (T,) or (3, T), query [T, Hq * head_size]; Atlas A2/A3 only.
 # Its rounding is not documented as the query dtype's per product: 16-bit hf calls are declined as for rope.
+# Its page's limits (torch_npu-npu_mrope.md, 约束说明): mrope_section one of four documented splits (or none);
+# head_size and rotary_dim multiples of 16 in fp32 (32 in fp16/bf16): the call is made in fp32.
+NPU_MROPE_SECTIONS = ([16, 24, 24], [24, 20, 20], [8, 12, 12], [16, 16, 16, 16])
+
+
 def _npu_rotary_supports(backend, positions, query, key, cache, head_size, mrope_section, cast_mode):
     reason = _angles_supported(cache)
     if reason:
         return reason
     if backend.series_of(query) != "a2_a3":
         return "npu_mrope: Atlas A2/A3 only"
+    if list(mrope_section) and list(mrope_section) not in NPU_MROPE_SECTIONS:
+        return f"npu_mrope: mrope_section {list(mrope_section)} is not one of the documented {NPU_MROPE_SECTIONS}"
+    rotary_dim = cache.shape[-1]
+    if head_size % 16 or rotary_dim % 16:
+        return f"npu_mrope: head_size {head_size} and rotary_dim {rotary_dim} must be multiples of 16 (fp32)"
     if cast_mode == "hf" and query.dtype != torch.float32:
         return (f"hf mode on {dtype_name(query.dtype)}: npu_mrope's rounding is not vLLM's per-product rounding "
                 f"(cast_mode='fp32' maps onto it)")
