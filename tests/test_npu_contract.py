@@ -625,6 +625,20 @@ def test_npu_mrope_takes_the_documented_sections_and_head_sizes(npu):
         torch_npu_standin.npu_mrope(narrow[0], narrow[1].float(), narrow[2].float(), narrow[3].float(), 24)
 
 
+def test_hf_norms_on_the_npu_make_their_unit_gamma_once(npu, monkeypatch):
+    """hf mode normalises with a unit gamma and multiplies the real one in torch: it was built by torch.ones per call
+    (an allocation and a fill launch per norm, issue 47). Made once per width, dtype and device."""
+    x, g = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    npu.rms_norm(x, g, 1e-6, "hf")
+    made = []
+    real = torch.ones
+    monkeypatch.setattr(torch, "ones", lambda *a, **k: made.append(a) or real(*a, **k))
+    for _ in range(3):
+        assert_close(npu.rms_norm(x, g, 1e-6, "hf"), OPS["rms_norm"].golden(x, g, 1e-6, "hf"), ("y",))
+        npu.add_rms_norm(x, x, g, 1e-6, "hf", "rounded")
+    assert made == []
+
+
 def test_decoder_attention_limits_are_the_documented_ones(npu, monkeypatch):
     op = OPS["decoder_attention"]
     args = op.example_args(op.examples[4])  # fp32

@@ -17,6 +17,8 @@ what the norm reads is `norm_input`:
   the residual once and normalises the unrounded sum; `hf` then rounds x * r to the input dtype before the
   weight). The two agree wherever the sum is exact in the input dtype (always in fp32).
 """
+import functools
+
 import torch
 
 from ..args import FLOAT_DTYPES, ArgValueError, Choice, Float, Output, Tensor, dtype_name
@@ -299,8 +301,14 @@ def _npu_gamma(gamma, x, cast_mode):
     D = x.shape[-1]
     if cast_mode == "fp32" and gamma is not None:
         return gamma.reshape(D), None  # a documented (x, gamma) pair: supports() checked it
-    unit = torch.ones(D, dtype=x.dtype, device=x.device)
-    return unit, (None if gamma is None else gamma.reshape(D))
+    return unit_gamma(D, x.dtype, x.device), (None if gamma is None else gamma.reshape(D))
+
+
+@functools.lru_cache(maxsize=64)
+def unit_gamma(D: int, dtype, device) -> torch.Tensor:
+    """The unit gamma hf mode normalises with, made once per (width, dtype, device): a norm call made one (a host
+    allocation and a fill launch) every time, 36 layers x 2 norms a decode step."""
+    return torch.ones(D, dtype=dtype, device=device)
 
 
 @RMS_NORM.impl("npu", supports=_npu_rms_norm_supports)
