@@ -159,3 +159,13 @@ def test_bench_layer_defaults_to_minutes_and_the_page_is_opt_in_saying_its_cost(
     assert main(["bench", "layer", "--page", "--kv", "2048", *out]) == 0
     assert seen[-1][0][:2] == (512, 3744) and seen[-1][1]["kv_lengths"] == [2048]
     assert "bench layer --page: the document page's shapes on PyPTO's SIM: about 67 minutes" in capsys.readouterr().out
+
+
+def test_a_decode_tokens_launch_cost_eager_and_graph_captured_worked_example():
+    """bench layer's decode-token line: 100 kernels of 1000 us AICore launched eagerly cost 1000 + 100 x (5..20) us;
+    captured as one graph, 1000 + (5..20) us; the floor is carried through."""
+    from pypto_gym.bench.pypto_layer import decode_token_launches
+
+    token = decode_token_launches(100, 1000.0, 300, 1500.0, 700.0)
+    assert token["eager_us"] == (1500.0, 3000.0) and token["graph_us"] == (1005.0, 1020.0)
+    assert token["hf_eager_us"] == (3000.0, 7500.0) and token["floor_us"] == 700.0

@@ -240,6 +240,14 @@ def run_layer(S: int = 128, vision_tokens: int = 256, json_path=None, kv_lengths
                   f"({fu_us + lo * fu_n:.0f}-{fu_us + hi * fu_n:.0f} us); weight-read floor "
                   f"{n * gemms['weight_floor_us']:.0f} us"
                   + (f" + KV-read floor {times('kv_floor_us'):.0f} us" if kv else ""))
+        if phase == "decode":  # a decode token: launched op by op (eager), or replayed as one captured graph
+            result["parts"].setdefault("decode_token", {})[kv] = token = decode_token_launches(
+                fu_n, fu_us, hf_n, hf_us, n * gemms["weight_floor_us"] + times("kv_floor_us"))
+            print(f"  per decode token (KV {kv}): eager, pypto-gym launches {fu_n} kernels, {token['eager_us'][0]:.0f}-"
+                  f"{token['eager_us'][1]:.0f} us with their host launch cost (HF: {hf_n}, {token['hf_eager_us'][0]:.0f}-"
+                  f"{token['hf_eager_us'][1]:.0f} us); graph-captured (NPUGraph / torchair: one launch a step, no host "
+                  f"sync in the npu mapping, tests/test_npu_models.py), {token['graph_us'][0]:.0f}-"
+                  f"{token['graph_us'][1]:.0f} us; weight- and KV-read floor {token['floor_us']:.0f} us")
         result["parts"][title] = {"rows": rows, "totals": tot, "per_forward": per_forward, "gemms": gemms, "kv": kv}
         goals.append(goal_line(tot["fused_us"] <= tot["hf_us"] and tot["fused_kernels"] < tot["hf_kernels"],
                                f"{title}: pypto-gym's fused ops {tot['fused_us']:.1f} us AICore in "
@@ -273,10 +281,19 @@ def run_layer(S: int = 128, vision_tokens: int = 256, json_path=None, kv_lengths
     return 0 if all(g.startswith("PASS") for g in goals) else 1
 
 
+def decode_token_launches(fused_n: int, fused_us: float, hf_n: int, hf_us: float, floor_us: float) -> dict:
+    """A decode token's time with its launches: eager, each kernel's host launch (LAUNCH_US, a stated range) on top
+    of the AICore time; graph-captured, the graph launched once (the same range, once), the kernels back to back."""
+    lo, hi = LAUNCH_US
+    return {"eager_us": (fused_us + lo * fused_n, fused_us + hi * fused_n), "launches": fused_n,
+            "hf_eager_us": (hf_us + lo * hf_n, hf_us + hi * hf_n), "hf_launches": hf_n,
+            "graph_us": (fused_us + lo, fused_us + hi), "floor_us": floor_us}
+
+
 def _plot(plt, parts: dict):
     """Per part (a text layer's prefill and decode, a vision block): HF's kernels and the fused ops, AICore us on
     PyPTO's estimate, the launches written on the bars."""
-    titles = list(parts)
+    titles = [t for t in parts if t != "decode_token"]
     fig, ax = plt.subplots(figsize=(max(6, 2.4 * len(titles)), 4))
     for i, title in enumerate(titles):
         tot = parts[title]["totals"]
