@@ -280,9 +280,10 @@ def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None)
     _check(x.dim() > 1 and x.numel() > 0, f"npu_dynamic_quant: x must be non-empty and >1-D, got {tuple(x.shape)}")
     _check(x.dtype in (torch.float16, torch.bfloat16), f"npu_dynamic_quant: dtype {x.dtype}")
     _check(group_index is None, "npu_dynamic_quant: grouped (MoE) smooth scales are not modelled here")
-    _check(smooth_scales is None or (smooth_scales.dtype in (torch.float16, torch.bfloat16)
-                                     and tuple(smooth_scales.shape) == (x.shape[-1],)),
-           "npu_dynamic_quant: smooth_scales must be fp16/bf16 [D]")
+    # 约束说明: without group_index smooth_scales is 1-D with the last dim's element count; in single-op mode of
+    # input's dtype (graph mode may differ: not what the mapping runs)
+    _check(smooth_scales is None or (smooth_scales.dtype == x.dtype and tuple(smooth_scales.shape) == (x.shape[-1],)),
+           "npu_dynamic_quant: smooth_scales must be [D] of input's dtype (single-op mode)")
     int4 = dst_type == torch.quint4x2
     _check(dst_type in (None, torch.int8) or int4, f"npu_dynamic_quant: dst_type {dst_type}")
     _check(not int4 or x.shape[-1] % 8 == 0, "npu_dynamic_quant: int4 needs the last dim divisible by 8")
