@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 
 from . import bench, calibrate, capture, cases, export, infer, make_tiny, tune
 from .common import Parser, UserError
@@ -73,16 +74,12 @@ def _interrupts_deferred():
     """Inside: Ctrl-C is held until the end (then raised as KeyboardInterrupt), for code a KeyboardInterrupt must not
     enter: raised inside torch's C++ static initialisers it terminated the process with a C++ abort. A SIGINT the
     process ignores (started in the background) stays ignored."""
-    held = []
-    try:
-        previous = signal.getsignal(signal.SIGINT)
-        if previous is signal.SIG_IGN:
-            yield
-            return
-        signal.signal(signal.SIGINT, lambda *_: held.append(True))
-    except ValueError:  # not the main thread: signals are not ours to handle
-        yield
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
+        yield  # ignored, or not the main thread's to handle
         return
+    held = []
+    signal.signal(signal.SIGINT, lambda *_: held.append(True))
     try:
         yield
     finally:
