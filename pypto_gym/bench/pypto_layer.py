@@ -241,7 +241,7 @@ def run_layer(S: int = 128, vision_tokens: int = 256, json_path=None, kv_lengths
                   f"{n * gemms['weight_floor_us']:.0f} us"
                   + (f" + KV-read floor {times('kv_floor_us'):.0f} us" if kv else ""))
         if phase == "decode":  # a decode token: launched op by op (eager), or replayed as one captured graph
-            result["parts"].setdefault("decode_token", {})[kv] = token = decode_token_launches(
+            result.setdefault("decode_token", {})[kv] = token = decode_token_launches(
                 fu_n, fu_us, hf_n, hf_us, n * gemms["weight_floor_us"] + times("kv_floor_us"))
             print(f"  per decode token (KV {kv}): eager, pypto-gym launches {fu_n} kernels, {token['eager_us'][0]:.0f}-"
                   f"{token['eager_us'][1]:.0f} us with their host launch cost (HF: {hf_n}, {token['hf_eager_us'][0]:.0f}-"
@@ -293,7 +293,7 @@ def decode_token_launches(fused_n: int, fused_us: float, hf_n: int, hf_us: float
 def _plot(plt, parts: dict):
     """Per part (a text layer's prefill and decode, a vision block): HF's kernels and the fused ops, AICore us on
     PyPTO's estimate, the launches written on the bars."""
-    titles = [t for t in parts if t != "decode_token"]
+    titles = list(parts)
     fig, ax = plt.subplots(figsize=(max(6, 2.4 * len(titles)), 4))
     for i, title in enumerate(titles):
         tot = parts[title]["totals"]
