@@ -40,9 +40,12 @@ class ChipBackend(NpuBackend):
     def torch_npu(self):
         if self._module is None:
             if self.module and self.module.endswith(".py"):
-                spec = importlib.util.spec_from_file_location(Path(self.module).stem, self.module)
+                # a private module name: the file's own stem may already name a loaded module (a test's stand-in),
+                # which registering over it would replace for everyone else
+                name = f"pypto_gym_npu_check_{Path(self.module).stem}"
+                spec = importlib.util.spec_from_file_location(name, self.module)
                 self._module = importlib.util.module_from_spec(spec)
-                sys.modules[spec.name] = self._module
+                sys.modules[name] = self._module
                 spec.loader.exec_module(self._module)
                 if hasattr(self._module, "DEVICE_NAME"):
                     self._module.DEVICE_NAME = self.chip  # a stand-in that reports the chip it stands for
