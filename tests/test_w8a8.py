@@ -24,7 +24,7 @@ from support import run_on
 from pypto_gym.ops.quantize import quantize_rows
 from pypto_gym.patching import PatchError
 from pypto_gym.quant import activations, calibration
-from pypto_gym.quant.plan import own_input_linears
+from pypto_gym.quant.topology import own_input_linears
 import pypto_gym.quant.linear as quant_linear
 
 

@@ -389,7 +389,7 @@ def _linear_kinds(model) -> list:
 def _producer_group(model, linear):
     """The module whose rows `linear` reads together with its siblings (a norm or an MLP), else itself."""
     from ..patching.norm import NORMS
-    from ..quant.plan import linears_after
+    from ..quant.topology import linears_after
 
     for cand in NORMS.candidates(model, None):
         if not cand.reason and any(m is linear for _, m in linears_after(model, cand)[0]):

@@ -82,7 +82,7 @@ class Calibrator:
             if not cand.reason:
                 self._handles.append(cand.module.down_proj.register_forward_pre_hook(
                     lambda m, args, path=cand.path: self._record(path, args[0])))
-        from .plan import own_input_linears
+        from .topology import own_input_linears
 
         smoothable = folds(self.model)
         for path, linear in own_input_linears(self.model):  # the unsmoothable ones too: the static scheme's range
@@ -142,7 +142,7 @@ def smooth_scales(model, absmax: dict, alpha: float) -> dict:
     from ..patching.mlp import MLPS
     from ..patching.norm import NORMS
     from .fold import folds
-    from .plan import linears_after
+    from .topology import linears_after
 
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha: got {alpha}; expected a number in [0, 1]")

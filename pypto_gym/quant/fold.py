@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .plan import own_input_linears, w8a8_family
+from .topology import own_input_linears, w8a8_family
 
 
 @dataclass

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from .. import hardware, models
+from .. import hardware
 from ..ops.defs import quant_matmul
 from ..patching.mlp import MlpSite
 from ..patching.norm import NormSite
@@ -29,46 +29,7 @@ from . import calibration
 from .linear import STORED_STATIC, QuantLinear, linear_kind, quant_linear_of
 from .mlp import QuantMlp
 from .norm import QuantNorm
-
-
-def _resolve(model, site, relative: str):
-    """(path, linear) or (path, reason) for one named consumer of `site`."""
-    parent = site.path.rpartition(".")[0]
-    path = f"{parent}.{relative}" if parent else relative
-    try:
-        module = model.get_submodule(path)
-    except AttributeError:
-        return path, "not found"
-    D = site.module.weight.shape[0]
-    if not isinstance(module, torch.nn.Linear) or module.in_features != D:
-        return path, f"not an nn.Linear with in_features={D}"
-    return path, module
-
-
-def w8a8_family(model):
-    """The model family (models/<family>.py: W8A8_LINEARS, W8A8_OWN_INPUT); a model of none is refused."""
-    family = models.family_of(model)
-    if family is None:
-        name = getattr(getattr(model, "config", None), "model_type", None)
-        raise ValueError(f"quant: model_type {name!r} has no W8A8 linear table (families with one: "
-                         f"{', '.join(models.FAMILIES)})")
-    return family
-
-
-def linears_after(model, site):
-    """([(path, linear)], [(path, reason)]) of the linears the model family names for the site's kind."""
-    found, missing = [], []
-    for relative in w8a8_family(model).W8A8_LINEARS.get(site.kind, ()):
-        path, got = _resolve(model, site, relative)
-        (found if isinstance(got, torch.nn.Module) else missing).append((path, got))
-    return found, missing
-
-
-def own_input_linears(model):
-    """[(path, linear)]: the nn.Linears the family names (by path suffix) as quantising their own input."""
-    suffixes = w8a8_family(model).W8A8_OWN_INPUT
-    return [(p, m) for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-            and any(p == s or p.endswith("." + s) for s in suffixes)]
+from .topology import linears_after, own_input_linears, w8a8_family
 
 
 def output_embedding(model):
