@@ -19,7 +19,6 @@ import torch
 import pypto_gym
 from pypto_gym import models
 from pypto_gym.cli import main as cli_main
-from pypto_gym.inference import open_image
 from pypto_gym.ops import registry
 from pypto_gym.ops.backends.npu import NpuBackend
 from pypto_gym.precision import compare

@@ -15,6 +15,8 @@ scale is folded into an int8 up_proj's deq_scale, as a checkpoint holds it.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import ops
@@ -96,8 +98,13 @@ class QuantMlp(activations.Producer):
 
 def _provides_int32_gemm(backend: str, device_type: str) -> bool:
     """Whether the backend a site's calls go to on this device implements the merged int32 GEMM (the cpu backend, and
-    torch's golden);
-    decided by the op's registrations, not by the device type: the npu mapping on CPU tensors (the contract tests'
-    whole models) runs two npu_quant_matmul calls as on an NPU."""
+    torch's golden), decided by the op's registrations rather than the device type: the npu mapping on CPU tensors
+    (the contract tests' whole models) runs two npu_quant_matmul calls as on an NPU. Kept per registry generation:
+    an MLP asks on every call."""
+    return _int32_gemm_served(backend, device_type, registry.GENERATION[0])
+
+
+@functools.lru_cache(maxsize=32)
+def _int32_gemm_served(backend: str, device_type: str, generation: int) -> bool:
     candidates = registry.candidates(backend, device_type)
     return bool(candidates) and (candidates[0] is registry.TORCH or candidates[0].family in ops.OPS["int32_gemm"].impls)

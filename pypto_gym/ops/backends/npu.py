@@ -59,15 +59,18 @@ FIA_MAX_B, FIA_MAX_N, FIA_MAX_D, FIA_MAX_KV_DECODE, FIA_MAX_TND_SEQUENCES = 6553
 FIA_TND_D = (128, 192)
 
 
-def fia_limits(B: int, N: int, S: int, D: int, kv: int, dtype) -> str | None:
-    """Why a BNSD (or, with B = the sequences, a TND) call of FIA at these sizes is refused by its page, or None."""
+def fia_limits(B: int, N: int, N_kv: int, S: int, D: int, kv: int, dtype) -> str | None:
+    """Why a BNSD (or, with B = the sequences, a TND) call of FIA at these sizes is refused by its page, or None;
+    N_kv its KV heads (num_key_value_heads: N a multiple of it, at most 64 query heads per KV head)."""
     if B > FIA_MAX_B:
         return f"{FIA}: batch {B} > {FIA_MAX_B}"
     if N > FIA_MAX_N:
         return f"{FIA}: {N} query heads > {FIA_MAX_N}"
+    if N // N_kv > 64:
+        return f"{FIA}: {N // N_kv} query heads per KV head (at most 64)"
     if D > FIA_MAX_D:
         return f"{FIA}: head dim {D} > {FIA_MAX_D}"
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if S > 1 and (D * size) % 16:
         return f"{FIA}: head dim {D} is not 16-byte aligned in {str(dtype).replace('torch.', '')} (a prefill)"
     if S > 1 and (D * size) % 32 and B > 128:

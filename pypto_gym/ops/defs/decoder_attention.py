@@ -124,9 +124,7 @@ def _npu_supports(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
     if backend.series_of(q) != "a2_a3":
         return f"{FIA}: supported on Atlas A2/A3 chips only"
     B, N, S, D = q.shape
-    if N // k.shape[1] > 64:
-        return f"{FIA}: {N // k.shape[1]} query heads per KV head (at most 64)"
-    return fia_limits(B, N, S, D, k.shape[2], q.dtype)
+    return fia_limits(B, N, k.shape[1], S, D, k.shape[2], q.dtype)
 
 
 @DECODER_ATTENTION.impl("npu", supports=_npu_supports)

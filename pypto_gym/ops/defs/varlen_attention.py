@@ -251,7 +251,7 @@ def _npu_supports(backend, q, k, v, cu_seqlens, scale, cast_mode):
     sequences = sum(1 for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) if b > a)
     if sequences > FIA_MAX_TND_SEQUENCES:
         return f"{FIA}: {sequences} sequences in the TND layout (at most {FIA_MAX_TND_SEQUENCES})"
-    return fia_limits(sequences, q.shape[1], 2, fia_tnd_dim(D), 0, q.dtype)
+    return fia_limits(sequences, q.shape[1], q.shape[1], 2, fia_tnd_dim(D), 0, q.dtype)
 
 
 @VARLEN_ATTENTION.impl("npu", supports=_npu_supports)
