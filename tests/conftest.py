@@ -112,7 +112,7 @@ def pytest_collection_finish(session):
     best = hardware.best_isa()
     levels = [isa for isa, _ in hardware.ISA_LEVELS if isa != best and hardware.supports_isa(isa)]
     if levels:
-        code = "import sys\nfrom pypto_gym.ops.backends import cpu\nfor isa in sys.argv[1:]:\n    cpu.build(isa)\n"
+        code = "import sys\nfrom pypto_gym.kernels.cpu import backend as cpu\nfor isa in sys.argv[1:]:\n    cpu.build(isa)\n"
         _LEVEL_BUILDS.append(subprocess.Popen([sys.executable, "-c", code, *levels], stdout=subprocess.DEVNULL,
                                               stderr=subprocess.DEVNULL, start_new_session=True))
 

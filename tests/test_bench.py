@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from pypto_gym.cli import main
-from pypto_gym.ops import OPS
+from pypto_gym.bench.specs import SPECS
 from pypto_gym.models.qwen2_5_vl import SAMPLE_IMAGE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,7 +18,7 @@ def test_bench_ops_quick_writes_json_and_plot(tmp_path, capsys):
     data = json.loads((tmp_path / "o.json").read_text())
     assert rc in (0, 1)  # 1 = a goal line says FAIL; timings are never asserted
     assert (tmp_path / "o.png").stat().st_size > 0
-    assert {r["op"] for r in data["rows"]} == {name for name, op in OPS.items() if op.bench is not None} \
+    assert {r["op"] for r in data["rows"]} == set(SPECS) \
         >= {"rms_norm", "add_rms_norm", "swiglu", "rope", "qk_norm_rope"}
     assert {r["phase"] for r in data["rows"]} == {"decode", "prefill", "vision"}
     assert all(g.startswith(("PASS", "FAIL")) for g in data["goals"]) and data["goals"]

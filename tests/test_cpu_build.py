@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from pypto_gym import hardware
-from pypto_gym.ops.backends import cpu
+from pypto_gym.kernels.cpu import backend as cpu
 
 
 def test_the_build_uses_the_ninja_this_package_depends_on(monkeypatch):
@@ -91,7 +91,7 @@ def test_amx_tiles_need_the_cpu_and_the_os(monkeypatch, granted, level):
 def test_a_complete_build_loads_from_a_read_only_cache():
     """A pre-built cache on a read-only volume: loading must not open the lock (or anything) for writing."""
     cpu.build(hardware.best_isa())
-    code = ("import pypto_gym.ops.backends.cpu as cpu\n"
+    code = ("import pypto_gym.kernels.cpu.backend as cpu\n"
             "def read_only(*a, **k):\n"
             "    raise OSError(30, 'Read-only file system')\n"
             "cpu.build_lock = read_only\n"

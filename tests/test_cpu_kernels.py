@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from pypto_gym import hardware, ops
 from pypto_gym.ops import OPS, registry
-from pypto_gym.ops.backends.cpu import CpuBackend
+from pypto_gym.kernels.cpu.backend import CpuBackend
 from pypto_gym.precision import compare_outputs
 
 from support import assert_close, op_examples, run_on, ulps_apart

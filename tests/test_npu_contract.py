@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pypto_gym.ops import OPS, registry
-from pypto_gym.ops.backends.npu import NpuBackend, chip_series
+from pypto_gym.kernels.npu.backend import NpuBackend, chip_series
 from pypto_gym.ops.quantize import pack_int4_to_int32, unpack_int4_from_int32
 
 from support import assert_close
@@ -301,7 +301,7 @@ def test_npu_trans_quant_param_keeps_the_scales_upper_19_bits_as_documented():
     exact = torch.tensor([0.75])
     out = torch_npu_standin.npu_trans_quant_param(exact, round_mode=1)
     assert int(out) == (0x3F400000 | (1 << 46))
-    from pypto_gym.ops.defs.quant_matmul import TRANS_QUANT_ROUND
+    from pypto_gym.kernels.npu.quant_matmul import TRANS_QUANT_ROUND
 
     assert TRANS_QUANT_ROUND == 1
 
@@ -580,7 +580,7 @@ def test_npu_swiglu_quant_takes_its_smooth_scales_as_one_group(npu):
 def test_keywords_newer_releases_added_are_passed_only_where_needed(npu, monkeypatch):
     """y_dtype, beta and rotary_mode are keywords older torch_npu releases lack: a call that does not need one does
     not pass it (issue 47), so it runs on those releases too; every op's examples are run with a spy on each call."""
-    from pypto_gym.ops.backends.npu import NEWER_KEYWORDS
+    from pypto_gym.kernels.npu.backend import NEWER_KEYWORDS
 
     passed = []
     for name, keywords in NEWER_KEYWORDS.items():

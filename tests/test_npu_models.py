@@ -20,7 +20,7 @@ import pypto_gym
 from pypto_gym import models
 from pypto_gym.cli import main as cli_main
 from pypto_gym.ops import registry
-from pypto_gym.ops.backends.npu import NpuBackend
+from pypto_gym.kernels.npu.backend import NpuBackend
 from pypto_gym.precision import compare
 
 from models import tiny_qwen2_vl

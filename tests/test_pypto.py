@@ -20,8 +20,10 @@ from pypto_gym import config, ops  # noqa: E402
 from pypto_gym.capture import load_cases  # noqa: E402
 from pypto_gym.capture.runner import run_case  # noqa: E402
 from pypto_gym.ops import OPS, registry  # noqa: E402
-from pypto_gym.ops.backends import pypto_backend, pypto_compat  # noqa: E402
+from pypto_gym.kernels.pypto import backend as pypto_backend  # noqa: E402
+from pypto_gym.kernels.pypto import compat as pypto_compat  # noqa: E402
 from pypto_gym.bench import pypto_kernels, pypto_layer  # noqa: E402
+from pypto_gym.bench.specs import SPECS  # noqa: E402
 
 from support import assert_close, op_examples  # noqa: E402
 
@@ -123,7 +125,7 @@ def test_a_full_attention_window_runs_through_key_tiles_in_several_launches(monk
     and 10 tokens, 2 heads, chunks of 64 query rows (3 + 1 per head: 8 pairs) against 2 key tiles of 256 (150 keys
     padded) in launches of at most 3 pairs here, so the online softmax's correction across tiles and the padded
     keys' mask both count (dropping either fails the golden)."""
-    from pypto_gym.ops.backends import pypto_attention
+    from pypto_gym.kernels.pypto import attention as pypto_attention
 
     monkeypatch.setattr(pypto_attention, "KEY_TILE", 128)  # 150 keys: 2 tiles without simulating 256 of them
     monkeypatch.setattr(pypto_attention, "LAUNCH_PAIR_TILES", 6)
@@ -140,7 +142,7 @@ def test_decoder_attention_prefill_in_chunks_of_gqa_rows_and_key_tiles(monkeypat
     """A causal GQA prefill (8 query heads per KV head: 8 tokens x 8 heads a pair) in 3 chunks per KV head, and a
     longer one over 2 key tiles: each query row sees its own bias (the causal future masked), verified at the
     compiled level and within precision of transformers' sdpa."""
-    from pypto_gym.ops.backends import pypto_attention
+    from pypto_gym.kernels.pypto import attention as pypto_attention
 
     monkeypatch.setattr(pypto_attention, "KEY_TILE", 64)
     op = ops.OPS["decoder_attention"]
@@ -319,7 +321,7 @@ def test_a_failed_compile_does_not_break_later_calls():
         "b = registry.get('pypto')\n"
         "x = torch.randn(4, 64)\n"
         "generation = registry.GENERATION[0]\n"
-        "from pypto_gym.ops.defs.rms_norm import rms_norm_kernel\n"
+        "from pypto_gym.kernels.pypto.rms_norm import rms_norm_kernel\n"
         "try:\n"
         "    b.launch('rms_norm', rms_norm_kernel, x, [x, torch.randn(1, 68)], [torch.empty(4, 64)], [1e-6, 1 / 64, 0])\n"
         "except Exception as e:\n"
@@ -459,8 +461,8 @@ def test_bench_pypto_and_bench_layer_run_and_write_their_json(tmp_path):
     from pypto_gym.cli import main
 
     every = json.loads((ROOT / "tests" / "cases" / "tiny_qwen2_5_vl.json").read_text())["test_cases"]
-    unfused = [c for c in every if c.get("phase") == "decode" and OPS[c["op"]].bench is not None
-               and OPS[c["op"]].bench.hf_kernels is not None]  # ops whose HF kernels bench pypto costs
+    unfused = [c for c in every if c.get("phase") == "decode" and c["op"] in SPECS
+               and SPECS[c["op"]].hf_kernels is not None]  # ops whose HF kernels bench pypto costs
     cases = unfused[:2] + [next(c for c in every if c["op"] == "swiglu" and c.get("phase") == "prefill")]
     path = tmp_path / "three.json"
     path.write_text(json.dumps({"model": "tiny", "test_cases": cases}))

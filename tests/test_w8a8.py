@@ -19,7 +19,7 @@ from pypto_gym.cli import main as cli_main
 from pypto_gym.inference import generate, open_image
 from pypto_gym.models.qwen2_5_vl import DOCUMENT_IMAGE, SAMPLE_IMAGE
 from pypto_gym.ops import OPS, registry
-from pypto_gym.ops.defs import quant_matmul
+from pypto_gym.kernels.cpu import quant_matmul
 from support import run_on
 from pypto_gym.ops.quantize import quantize_rows
 from pypto_gym.patching import PatchError

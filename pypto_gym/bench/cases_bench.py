@@ -130,7 +130,7 @@ def run_pypto(path, json_path=None, png_path=None, tune=False, documents=True, m
     from . import pypto_kernels, pypto_layer
 
     if tune:
-        from ..ops.backends import pypto_backend
+        from ..kernels.pypto import backend as pypto_backend
         from . import pypto_tuning
 
         pypto_tuning.tune(path)

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from .. import config, hardware
+from ..kernels.cpu import quant_matmul
 from ..models.qwen2_5_vl import DOCUMENT_IMAGE, GUTENOCR_CONFIG, random_model
-from ..ops.defs import quant_matmul
 from ..patching import patch_model, unpatch_model
 from .timing import goal_line, header, save_plot, write_json
 

@@ -1,6 +1,6 @@
 """`bench ops`: every op's cpu kernel against what a CPU user would run instead (SPEC 7).
 
-The rows come from the op definitions (`Op.bench`, a BenchSpec): per op and real-model shape, side by
+The rows come from each op's bench spec (bench/specs/<op>.py, a BenchSpec): per op and real-model shape, side by
 side (interleaved medians), what HF eager runs, `torch.compile` of the same (inductor: what a CPU user
 would pick instead), the torch reference, the cpu kernel (for each instruction-set level asked for),
 the op's parts on the cpu kernels where fusing is the claim, and the memory floor (the same bytes moved
@@ -18,9 +18,10 @@ import time
 import torch
 
 from .. import hardware, ops
+from ..kernels.cpu.backend import CpuBackend
 from ..ops import OPS, registry
 from ..ops.args import Tensor
-from ..ops.backends.cpu import CpuBackend
+from .specs import SPECS
 from .timing import goal_line, header, interleaved_medians, pin_allocator, save_plot, write_json
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -62,7 +63,7 @@ def _decode_modules(dtype):
     from transformers import Qwen2_5_VLConfig
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen
 
-    from ..ops.defs.rms_norm import hf_norm_module
+    from .specs.rms_norm import hf_norm_module
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, 1, 2048, generator=gen).to(dtype)
@@ -204,7 +205,7 @@ def _shape_label(args) -> str:
 
 
 def op_rows(op, dtype, dname, levels, quick, rounds) -> list[dict]:
-    spec = op.bench
+    spec = SPECS[op.name]
     rows = []
     for phase, tokens, args in spec.shapes(quick, dtype):
         hf = spec.hf(args)
@@ -254,7 +255,7 @@ def _print_rows(rows, kcols):
 def goal_lines(rows, modules) -> list[str]:
     goals = []
     for r in rows:
-        g = OPS[r["op"]].bench.goals
+        g = SPECS[r["op"]].goals
         label = f"cpu {r['op']} {r['dtype']} {r['phase']} {r['shape']}"
         if r["compile_recompiles"]:
             goals.append(goal_line(False, f"{label}: torch.compile recompiled {r['compile_recompiles']} times in the "
@@ -320,7 +321,7 @@ def run(dtypes=("bfloat16",), quick=False, rounds=15, json_path=None, png_path=N
     with torch.inference_mode():
         for dname in dtypes:
             for name, op in OPS.items():
-                if op.bench is not None and (not op_names or name in op_names):
+                if name in SPECS and (not op_names or name in op_names):
                     rows += op_rows(op, DTYPES[dname], dname, levels, quick, rounds)
     kcols = list(levels)
     _print_rows(rows, kcols)

@@ -11,9 +11,9 @@ No `from __future__ import annotations` here: PyPTO reads the kernels' `pypto.Te
 
 import torch
 
+from ..kernels.pypto.backend import Tiles
+from ..kernels.pypto.rope import rope_tiles
 from ..ops import registry
-from ..ops.backends.pypto_backend import Tiles
-from ..ops.defs.rope import rope_tiles
 
 
 def _cast(pypto):

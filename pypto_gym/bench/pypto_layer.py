@@ -18,9 +18,12 @@ from __future__ import annotations
 import torch
 
 from .. import hardware
+from ..kernels.pypto.varlen_attention import PYPTO_LAUNCH_PAIRS, long_window_pairs
 from ..ops import OPS, registry
-from ..ops.defs.varlen_attention import PAGE_T, PAGE_WINDOWS, PYPTO_LAUNCH_PAIRS, long_window_pairs, windows
+from ..ops.defs.varlen_attention import windows
 from . import pypto_kernels as K
+from .specs import SPECS
+from .specs.varlen_attention import PAGE_T, PAGE_WINDOWS
 from .timing import goal_line, header, save_plot, write_json
 
 # A stated range, not a measurement: about 5 us for a launch from a captured graph, about 20 us for an eager
@@ -43,7 +46,7 @@ GEMMS = {"text": [("q_proj", 2048, 2048), ("k_proj", 2048, 256), ("v_proj", 2048
 def hf_kernels(op: str, args) -> list:
     """[(label, baseline kind, inputs, output shape, output dtype, scalars)] HF runs for one call of `op` (its
     definition's BenchSpec says; [] for an op without one)."""
-    spec = OPS[op].bench
+    spec = SPECS.get(op)
     return spec.hf_kernels(args) if spec is not None and spec.hf_kernels is not None else []
 
 
@@ -83,7 +86,7 @@ def gemm_roofline(phase: str, M: int) -> dict:
 def _layer_calls(phase: str, S: int, dtype, kv: int = 0):
     """The fused ops of one text layer (phase prefill/decode, S tokens; a decode step attends over kv cached
     tokens) or one vision block (S patches)."""
-    from ..ops.defs.rope import hf_text_layout
+    from .specs.rope import hf_text_layout
 
     gen = torch.Generator().manual_seed(0)
     if phase == "vision":
@@ -131,11 +134,11 @@ def window_attention_row(label: str, args) -> dict:
 
 def full_attention_row(label: str, args) -> dict:
     """A full-attention block's attention (one window: the image). HF's module makes one sdpa call, one fused
-    attention on an NPU too: the same kernel on both sides, costed as pypto_attention's kernel. Its launches are
+    attention on an NPU too: the same kernel on both sides, costed as kernels/pypto/attention.py's kernel. Its launches are
     one program repeated (pairs of 64 query rows against every key), and PyPTO's estimate of a program does not
     depend on the data (the same to the last digit on other values), so one launch is simulated and multiplied:
     the page's 944 pairs at 15 key tiles are 118 launches of 8, each about 12 s and 2 GB to simulate here."""
-    from ..ops.backends import pypto_attention as pa
+    from ..kernels.pypto import attention as pa
 
     q, k, v, cu, scale, _ = args
     T = q.shape[0]

@@ -3,7 +3,7 @@
 For every rms_norm / add_rms_norm case of a case file, each candidate (tile rows, merge count)
 is compiled and costed in its own process (a compile error leaves PyPTO 0.2.0 unusable for the
 rest of a process), and the fastest becomes the entry of its shape class in
-`pypto_gym/ops/backends/pypto_tiling.json`, which the backend reads. Classes are (op, D, row
+`pypto_gym/kernels/pypto/tiling.json`, which the backend reads. Classes are (op, D, row
 bucket), each tuned on its largest row count; a shape outside the table falls back to the
 backend's rule. A configuration that crashes PyPTO or times out is reported "failed" and skipped.
 """
@@ -17,16 +17,16 @@ from pathlib import Path
 
 from .. import files
 from ..capture.cases import load_cases
-from ..ops.backends import pypto_backend
-from ..ops.backends.pypto_backend import Tiles, bucket
+from ..kernels.pypto import backend as pypto_backend
+from ..kernels.pypto.backend import Tiles, bucket
 
-TABLE = Path(pypto_backend.__file__).with_name("pypto_tiling.json")
+TABLE = Path(pypto_backend.__file__).with_name("tiling.json")
 ROWS = (1, 2, 4, 8)
 NBUFFERS = (0, 4)  # the first full sweep (0/4/8/16) never found 8 or 16 best by more than its noise
 
 WORKER = """
 import json, sys, torch
-from pypto_gym.ops.backends import pypto_backend
+from pypto_gym.kernels.pypto import backend as pypto_backend
 op, R, D, rows, cols, nb = sys.argv[1], *map(int, sys.argv[2:])
 pypto_backend.tile_config = lambda *a: pypto_backend.Tiles(rows, cols, nb)
 pypto_backend._load_cached = lambda *a: False

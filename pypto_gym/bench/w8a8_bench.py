@@ -202,8 +202,15 @@ def compare(ref: list, got: list) -> dict:
 
 def run_accuracy(quick: bool, json_path, png_path, recipe=None, sensitivity: bool = False, llmcompressor=None) -> int:
     from ..inference import default_dtype, generate, open_image
-    from ..models.qwen2_5_vl import CALIBRATION_PROMPTS, DOCUMENT_IMAGE, GUTENOCR_CONFIG, SAMPLE_IMAGE, TINY_DIR, load, \
-        random_model
+    from ..models.qwen2_5_vl import (
+        CALIBRATION_PROMPTS,
+        DOCUMENT_IMAGE,
+        GUTENOCR_CONFIG,
+        SAMPLE_IMAGE,
+        TINY_DIR,
+        load,
+        random_model,
+    )
     from ..patching import patched
     from ..quant import calibration
 

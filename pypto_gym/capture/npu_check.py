@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..kernels.npu.backend import NpuBackend, chip_series
 from ..ops import OPS
-from ..ops.backends.npu import NpuBackend, chip_series
 from ..precision import compare_outputs
 from .cases import MAX_ELEMENTS, case_args, load_cases, printable
 

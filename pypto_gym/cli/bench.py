@@ -75,7 +75,7 @@ def add_parser(sub):
     b = bench_sub.add_parser("pypto", help="PyPTO's estimated 910B time per case vs the HBM bound")
     b.add_argument("file")
     b.add_argument("--tune", action="store_true", help="first tune the tiles per shape class of FILE (rewrites "
-                                                         "pypto_gym/ops/backends/pypto_tiling.json; about an hour)")
+                                                         "pypto_gym/kernels/pypto/tiling.json; about an hour)")
     b.add_argument("--no-documents", action="store_true", help="skip the source documents' rms_norm (one process "
                                                                  "per case)")
     b.add_argument("--max-elements", type=POSITIVE, help="simulate only cases whose tensors have at most N elements "
@@ -120,7 +120,9 @@ def cmd_bench_ops(args) -> int:
     for isa in isas:
         if isa not in levels or not hardware.supports_isa(isa):
             raise UserError(f"--isa: got {isa!r}; this CPU runs {', '.join(i for i in levels if hardware.supports_isa(i))}")
-    benched = [name for name, op in OPS.items() if op.bench is not None]
+    from ..bench.specs import SPECS
+
+    benched = [name for name in OPS if name in SPECS]
     op_names = [o.strip() for o in (args.ops or "").split(",") if o.strip()]
     if args.ops is not None and (not op_names or set(op_names) - set(benched)):
         raise UserError(f"--ops: got {args.ops!r}; expected a comma list of {', '.join(benched)}")

@@ -1,4 +1,5 @@
-"""The op family: one definition per op (ops/defs/), every entry point derived from it (op.py).
+"""The op family: one definition per op (ops/defs/), every entry point derived from it (op.py), its kernels
+per backend in kernels/<backend>/<op>.py.
 
     y = pypto_gym.ops.rms_norm(x, gamma, 1e-6, cast_mode="hf", backend="auto")
 
@@ -7,13 +8,15 @@ has one) and `pypto_gym.ops.OPS[name]` (its definition: golden, argument roles, 
 `backend=None` means the process default ($PYPTO_GYM_BACKEND, else "auto"); `stats` is the `Stats`
 to charge (a patched site passes its own; direct calls are charged to `GLOBAL_STATS`).
 """
-from . import defs  # noqa: F401  (registers every op)
+from . import defs, registry  # noqa: F401  (defs registers every op)
 from .args import ArgTypeError, ArgValueError, dtype_name
 from .dispatch import GLOBAL as GLOBAL_STATS
 from .dispatch import BackendFallbackError, Stats
 from .op import BoundCall, Op
 from .quantize import pack_int4, unpack_int4
 from .registry import backend_names
+
+registry.load_providers()  # every backend's kernels (kernels/), after the definitions they implement
 
 OPS: dict = Op.registry
 globals().update({name: op.entry for name, op in OPS.items()})

@@ -1,9 +1,9 @@
 """`Op`: one op, defined once, from its golden function and the roles of its arguments.
 
 An op definition module (ops/defs/<op>.py) writes the golden in plain torch (the formula, the
-`torch` backend, and the fake kernel's shape/dtype rule all at once, as vLLM's IR ops do), lists
-its arguments as roles (args.py) and its outputs, and registers one implementation per backend
-with a pure `supports` predicate. Everything else is derived here and typed nowhere else:
+`torch` backend, and the fake kernel's shape/dtype rule all at once, as vLLM's IR ops do) and lists
+its arguments as roles (args.py) and its outputs; each backend's kernel module registers one
+implementation with a pure `supports` predicate. Everything else is derived here and typed nowhere else:
 
 - the Python entry point `pypto_gym.ops.<name>` (signature and defaults from the roles, plus
   `backend=` and `stats=`), validating every call with errors that name the argument;
@@ -13,6 +13,9 @@ with a pure `supports` predicate. Everything else is derived here and typed nowh
 - `bind()`: the op bound to one patch site's constants, for the hot path of a patched model;
 - what the case files, the recorder, the runner, the tests and the benchmarks know of the op
   (capture/cases.py, capture/recorder.py, bench/ops_bench.py read `Op.registry`).
+
+The implementations live apart, one module per op in each backend's folder (kernels/<backend>/<op>.py), and
+register themselves with `Op.impl`; what `bench ops` times of an op lives in bench/specs/<op>.py.
 
 Every call, eager or through the custom op, reaches `dispatch.call`, the one place a call is
 resolved to a backend, run and counted.
@@ -46,31 +49,6 @@ class Impl:
     into: bool = False
 
 
-@dataclass(frozen=True)
-class BenchSpec:
-    """How `bench ops` times an op against what a CPU user runs instead (bench/ops_bench.py reads it).
-
-    shapes(quick) -> [(phase, tokens, args)]: the model's real shapes and layouts. hf(args) -> a callable
-    running what HF eager runs (also compiled, as the torch.compile row). floor(args) -> a callable moving
-    the same bytes with trivial math (`floor_name` says which). unfused(args, backend): the op's parts on
-    that backend's kernels, where fusing is the claim. goals: "vs_hf" (every row), "decode_vs_hf", and
-    "vs_compile" and "floor" (rows of at least "min_tokens" tokens). hf_kernels(args) -> [(label, kind,
-    inputs, output shape, output dtype, scalars)]: each kernel HF eager launches for one call, as a kind of
-    baseline kernel (bench/pypto_kernels.py: cast, mul, add, mean, add_scalar, rsqrt, neg, cat, silu) that
-    `bench pypto` and `bench layer` cost on PyPTO's NPU model next to the fused op. alternatives: {name:
-    fn(args) -> callable}, other ways a CPU user could compute the op (varlen attention: one padded batched sdpa),
-    each timed beside it, with goal "vs_<name>"."""
-
-    shapes: Callable
-    hf: Callable
-    floor: Callable
-    floor_name: str
-    goals: dict
-    unfused: Callable | None = None
-    hf_kernels: Callable | None = None
-    alternatives: dict | None = None
-
-
 @dataclass
 class Backward:
     """A backward formula: `fn(saved, grads) -> {argument name: gradient}`, where `saved` maps the names
@@ -86,8 +64,7 @@ class Op:
     registry: dict = {}  # name -> Op, in definition order
 
     def __init__(self, golden: Callable, args: list, outputs: list, *, check: Callable | None = None,
-                 min_dims: dict | None = None, backward: Backward | None = None, examples: tuple = (),
-                 bench: BenchSpec | None = None):
+                 min_dims: dict | None = None, backward: Backward | None = None, examples: tuple = ()):
         self.name = golden.__name__
         if self.name in Op.registry:
             raise ValueError(f"op {self.name!r} is defined twice")
@@ -96,7 +73,7 @@ class Op:
         self.outputs: list[Output] = list(outputs)
         self.arg = {a.name: a for a in self.args}
         self._check, self.min_dims, self.backward = check, dict(min_dims or {}), backward
-        self.examples, self.bench = tuple(examples), bench
+        self.examples = tuple(examples)
         self.impls: dict[str, Impl] = {}
         self.unsupported: dict[str, str] = {}
         self._last = (None, False)  # (signature, eager) of the last validated call
@@ -350,7 +327,7 @@ class Op:
 
 
 def _op_named(name: str) -> Op:
-    from . import defs  # noqa: F401  (registers the ops)
+    import pypto_gym.ops  # noqa: F401  (registers the ops and their kernels)
 
     return Op.registry[name]
 

@@ -3,10 +3,16 @@
 A backend is machinery, not a list of ops: it says which device types it runs on and why it
 cannot run at all in this process (`unavailable_reason()`: package missing, build failed;
 computed once, possibly building kernels, so call it at patch time). Which ops it implements,
-and for which arguments, each op definition says itself (`Op.impl(name, supports=...)`), as
+and for which arguments, its kernel modules say themselves (`Op.impl(name, supports=...)`), as
 vLLM's IR ops register providers. `torch` is every op's golden and runs everywhere.
+
+The other backends and their kernels are providers (PROVIDERS, kernels/): loaded once by
+`load_providers`, which `pypto_gym.ops` calls after its definitions, by package name, as a vLLM
+platform imports its kernels; nothing in ops/ imports them.
 """
 from __future__ import annotations
+
+import importlib
 
 from .. import config
 
@@ -16,7 +22,7 @@ class Backend:
 
     name = "base"
     devices: tuple = ()  # device types this backend runs on
-    family = None  # the implementations it runs: op definitions register them per family (default: its name)
+    family = None  # the implementations it runs: its kernel modules register them per family (default: its name)
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -54,6 +60,14 @@ def register(backend: Backend) -> Backend:
 
 
 TORCH = register(TorchBackend())
+
+
+PROVIDERS = "pypto_gym.kernels"  # the package of backends and their kernels (each registers itself on import)
+
+
+def load_providers() -> None:
+    """Import the providers once: every backend folder registers its Backend and its ops' implementations."""
+    importlib.import_module(PROVIDERS)
 
 
 def backend_names() -> tuple:

@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from .. import hardware
-from ..ops.defs import quant_matmul
+from ..kernels.cpu import quant_matmul
 from ..patching.mlp import MlpSite
 from ..patching.norm import NormSite
 from ..patching.site import SLOT, part

@@ -1,4 +1,5 @@
-"""The op definitions: one module per op (or per pair of ops sharing a formula), each with its C++ source.
+"""The op definitions: one module per op (or per pair of ops sharing a formula), semantics only (golden, argument
+roles, outputs, backward, examples); the kernels are in kernels/<backend>/<op>.py.
 
 Importing this package imports every module in it, in name order, which registers each op (op.Op);
 nothing else lists them.

@@ -8,11 +8,9 @@ vision attn.proj and the merger's linears run on their float input; no gradient.
 """
 import torch
 
-from ..args import Choice, Output, Tensor, dtype_name
-from ..backends.npu import as_rows, quant_limits
-from ..backends.pypto_backend import first_runs_here, rows, vector
+from ..args import Choice, Output, Tensor
 from ..op import Op
-from ..quantize import DST_TYPES, QUANT_RANGES, quantize_rows, unpack_int4_from_int32
+from ..quantize import DST_TYPES, quantize_rows
 
 
 def dynamic_quant(x, smooth_scales=None, dst_type="int8"):
@@ -31,56 +29,3 @@ DYNAMIC_QUANT = Op(dynamic_quant, [
     examples=({"R": (2, 5), "D": 2048}, {"R": (3,), "D": 1280, "smooth_scales": None},
               {"R": (7,), "D": 40, "dtype": torch.float16, "dst_type": "int4"}, {"R": (4,), "D": 33,
                                                                                   "dtype": torch.float32}))
-
-
-@DYNAMIC_QUANT.impl("cpu")
-def _(backend, x, smooth_scales, dst_type):
-    return tuple(backend.ext.dynamic_quant(x, smooth_scales, *QUANT_RANGES[dst_type]))
-
-
-# npu_dynamic_quant(x, *, smooth_scales, group_index, dst_type) -> (y, scale), Atlas A2/A3: x fp16/bf16, more than one
-# dim, smooth_scales of x's dtype [D]; int4 (dst_type=torch.quint4x2) packs eight codes per int32 and needs
-# D % 8 == 0; scale = row_max / 127 (or / 7), fp32, x's shape without the last dim: ours.
-def _npu_supports(backend, x, smooth_scales, dst_type):
-    name = "npu_dynamic_quant"
-    if x.dim() < 2:
-        return f"{name}: x must have more than one dim, got {x.dim()}"
-    reason = quant_limits(name, x, dst_type, backend)
-    if reason:
-        return reason
-    if smooth_scales is not None and smooth_scales.dtype != x.dtype:
-        return f"{name}: smooth_scales {dtype_name(smooth_scales.dtype)} with x {dtype_name(x.dtype)} (one dtype)"
-    return None
-
-
-@DYNAMIC_QUANT.impl("npu", supports=_npu_supports)
-def _(backend, x, smooth_scales, dst_type):
-    smooth = None if smooth_scales is None else smooth_scales.reshape(x.shape[-1])
-    y, scale = backend.torch_npu().npu_dynamic_quant(as_rows(x), smooth_scales=smooth,
-                                                     dst_type=torch.quint4x2 if dst_type == "int4" else torch.int8)
-    if dst_type == "int4":
-        y = unpack_int4_from_int32(y)
-    return y.reshape(x.shape), scale.reshape(x.shape[:-1])
-
-
-# ---- pypto: one kernel, whole-row tiles (the row max needs the row) ----------------------------------------
-def dynamic_quant_kernel(pypto):
-    from ..backends import pypto_lib as pl
-
-    def dynamic_quant(x: pypto.Tensor(), smooth: pypto.Tensor(), y: pypto.Tensor(), scale: pypto.Tensor(), qmax,
-                      qmin, rows, cols):
-        pypto.set_vec_tile_shapes(rows, cols)
-        q, s = pl.quantise(pl.f32(x) * pl.f32(smooth), qmax, qmin)
-        y[:] = q
-        scale[:] = s
-    return dynamic_quant
-
-
-@DYNAMIC_QUANT.impl("pypto", supports=first_runs_here)
-def _(backend, x, smooth_scales, dst_type):
-    y, scale = DYNAMIC_QUANT.empty_outputs(x, smooth_scales, dst_type)
-    if x.numel():
-        D = x.shape[-1]
-        backend.launch("dynamic_quant", dynamic_quant_kernel, x, [rows(x), vector(smooth_scales, D, x, 1.0)],
-                       [y.view(-1, D), scale.view(-1, 1)], [*QUANT_RANGES[dst_type]], align=32)
-    return y, scale

@@ -44,13 +44,7 @@ PATCH_EMBED = Op(patch_embed, [
               {"N": 9, "K": 48, "O": 8, "C": 3, "T": 1, "H": 4, "W": 4, "dtype": torch.float16}))
 
 
-@PATCH_EMBED.impl("cpu")
-@PATCH_EMBED.impl("npu")
-def _(backend, x, weight, bias):
+def as_linear(x, weight, bias):
     """The GEMM the convolution is: the weight viewed [O, C*T*H*W] (no copy), one `F.linear` (oneDNN on the CPU,
-    the cube unit's matmul through torch_npu on an NPU)."""
+    the cube unit's matmul through torch_npu on an NPU): what the cpu and npu backends both run."""
     return F.linear(x, weight.reshape(weight.shape[0], -1), bias)
-
-
-PATCH_EMBED.not_on("pypto", "patch_embed has no PyPTO kernel: its K (C*T*P*P = 1176 at Qwen2.5-VL) is beyond one "
-                            "cube tile, where pypto.matmul 0.2.0 verifies")

@@ -17,17 +17,13 @@ what the norm reads is `norm_input`:
   the residual once and normalises the unrounded sum; `hf` then rounds x * r to the input dtype before the
   weight). The two agree wherever the sum is exact in the input dtype (always in fp32).
 """
-import functools
-
 import torch
 
 from ..args import FLOAT_DTYPES, ArgValueError, Choice, Float, Output, Tensor, dtype_name
-from ..backends.npu import as_rows
-from ..backends.pypto_backend import rows, vector
-from ..op import Backward, BenchSpec, Op
+from ..op import Backward, Op
 
 CAST_MODES = ("hf", "fp32", "none")
-MODES = {"hf": 0, "fp32": 1, "none": 2}  # the C++ kernels' codes
+MODES = {"hf": 0, "fp32": 1, "none": 2}  # the codes the cpu and pypto kernels take for a cast mode
 
 
 def rms_norm(x, gamma=None, eps=1e-6, cast_mode="hf"):
@@ -132,82 +128,13 @@ GAMMA = dict(floats=True, optional=True, flat=True, gen="weight")
 EXAMPLES = ({"R": (2, 5), "D": 64}, {"R": (7,), "D": 2049, "cast_mode": "fp32"}, {"R": (3,), "D": 33, "gamma": None},
             {"R": (2, 3), "D": 40, "dtype": torch.float16, "cast_mode": "none"})
 
-# ---- bench ops: GutenOCR-3B's norms (text hidden 2048, vision 1280) against HF's module ------------------
-def _norm_shapes(quick, dtype, two=False):
-    tokens = [64, 512, 4096] if quick else [64, 256, 512, 1024, 2048, 4096]
-    shapes = [("decode", (1, 1, 2048))] + [("prefill", (1, s, 2048)) for s in tokens]
-    shapes += [("vision", (t, 1280)) for t in ([3744] if quick else [1024, 3744])]
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for phase, shape in shapes:
-        xs = [torch.randn(shape, generator=gen).to(dtype) for _ in range(2 if two else 1)]
-        gamma = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype)
-        out.append((phase, xs[0].numel() // shape[-1], (*xs, gamma, 1e-6, "hf", *(["rounded"] if two else []))))
-    return out
-
-
-def hf_norm_module(gamma, eps):
-    """HF's own RMSNorm module (Qwen2.5-VL's) with this weight."""
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
-
-    m = Qwen2_5_VLRMSNorm(gamma.shape[0], eps=eps).to(gamma.dtype)
-    m.weight.data = gamma
-    return m
-
-
-def _hf_rms_norm(args):
-    m = hf_norm_module(args[1], args[2])
-    return lambda: m(args[0])
-
-
-def _hf_add_rms_norm(args):
-    """The decoder layer's `residual + h`, then HF's norm."""
-    m = hf_norm_module(args[2], args[3])
-
-    def run():
-        s = args[0] + args[1]
-        return m(s), s
-    return run
-
-
-def _unfused_add_rms_norm(args, backend):
-    """The add in torch, then the norm's own kernel: what the fused op saves."""
-    x1, x2, gamma, eps, cast_mode = args[:5]
-    return lambda: RMS_NORM.call((x1 + x2, gamma, eps, cast_mode), backend, None)
-
-
-NORM_GOALS = {"vs_compile": 1.5, "floor": 1.5, "min_tokens": 512}
-
-
-def hf_norm_kernels(x, gamma, prefix=""):
-    """HF's RMSNorm forward, kernel by kernel: to(fp32), pow(2), mean(-1), + eps, rsqrt, mul, to(dtype), weight * h."""
-    x = x.reshape(-1, x.shape[-1])
-    R, D = x.shape
-    gamma = torch.ones(D) if gamma is None else gamma
-    h, v = torch.zeros(R, D), torch.zeros(R, 1)
-    return [(f"{prefix}x.to(float32)", "cast", [x], (R, D), torch.float32, ()),
-            (f"{prefix}h.pow(2)", "mul", [h, h], (R, D), torch.float32, ()),
-            (f"{prefix}.mean(-1)", "mean", [h], (R, 1), torch.float32, (1.0 / D,)),
-            (f"{prefix}variance + eps", "add_scalar", [v], (R, 1), torch.float32, (1e-6,)),
-            (f"{prefix}torch.rsqrt", "rsqrt", [v], (R, 1), torch.float32, ()),
-            (f"{prefix}h * rsqrt", "mul", [h, v], (R, D), torch.float32, ()),
-            (f"{prefix}.to(dtype)", "cast", [h], (R, D), x.dtype, ()),
-            (f"{prefix}weight * h", "mul", [x, gamma.reshape(1, D)], (R, D), x.dtype, ())]
-
-
-def _hf_add_norm_kernels(args):
-    x1, x2, gamma = (a.reshape(-1, a.shape[-1]) if a is not None else None for a in args[:3])
-    return [("residual + hidden", "add", [x1, x2], x1.shape, x1.dtype, ()), *hf_norm_kernels(x1, gamma)]
-
 RMS_NORM = Op(rms_norm, [
     Tensor("x", "*R D", FLOAT_DTYPES, case="hidden_states"),
     Tensor("gamma", "D", case="weight", **GAMMA),
     Float("eps", default=1e-6, low=0.0),
     Choice("cast_mode", CAST_MODES, default="hf", kw_only=True),
 ], [Output("y", case="output")], min_dims={"D": 1},
-    backward=Backward(("x", "gamma", "eps", "cast_mode"), _rms_norm_grads), examples=EXAMPLES,
-    bench=BenchSpec(_norm_shapes, _hf_rms_norm, lambda a: a[0].clone, "clone()", NORM_GOALS,
-                    hf_kernels=lambda a: hf_norm_kernels(a[0], a[1])))
+    backward=Backward(("x", "gamma", "eps", "cast_mode"), _rms_norm_grads), examples=EXAMPLES)
 
 ADD_RMS_NORM = Op(add_rms_norm, [
     Tensor("x1", "*R D", FLOAT_DTYPES),
@@ -219,173 +146,12 @@ ADD_RMS_NORM = Op(add_rms_norm, [
 ], [Output("y"), Output("x_out")], min_dims={"D": 1}, check=_check_add_rms_norm,
     backward=Backward(("x_out", "gamma", "eps", "cast_mode"), _add_rms_norm_grads),
     examples=(*EXAMPLES, {"R": (3, 4), "D": 2050, "norm_input": "fp32_sum"},
-              {"R": (5,), "D": 96, "dtype": torch.float16, "cast_mode": "fp32", "norm_input": "fp32_sum"}),
-    bench=BenchSpec(lambda quick, dtype: _norm_shapes(quick, dtype, two=True), _hf_add_rms_norm,
-                    lambda a: (lambda: (a[0].clone(), a[1].clone())), "clone() of x1 and x2", NORM_GOALS,
-                    unfused=_unfused_add_rms_norm, hf_kernels=_hf_add_norm_kernels))
+              {"R": (5,), "D": 96, "dtype": torch.float16, "cast_mode": "fp32", "norm_input": "fp32_sum"}))
 
 
-def _gamma_float(gamma):
-    """The kernels read gamma as fp16, bf16 or fp32 (HF accepts any float weight: fp64 runs on torch)."""
+def gamma_not_float(gamma):
+    """Why a kernel cannot read this gamma (None if it can): the kernels read fp16, bf16 or fp32 weights, HF accepts
+    any float weight (fp64 runs on torch)."""
     if gamma is not None and gamma.dtype not in FLOAT_DTYPES:
         return f"gamma dtype {dtype_name(gamma.dtype)} not supported"
     return None
-
-
-def _norm_gamma(backend, x, gamma, *rest):
-    return _gamma_float(gamma)
-
-
-def _add_norm_gamma(backend, x1, x2, gamma, *rest):
-    return _gamma_float(gamma)
-
-
-# ---- cpu: fused C++ (rms_norm.cpp) ----------------------------------------------------------------
-@RMS_NORM.impl("cpu", supports=_norm_gamma)
-def _(backend, x, gamma, eps, cast_mode):
-    return backend.ext.rms_norm(x, gamma, eps, MODES[cast_mode])
-
-
-@ADD_RMS_NORM.impl("cpu", supports=_add_norm_gamma)
-def _(backend, x1, x2, gamma, eps, cast_mode, norm_input):
-    return backend.ext.add_rms_norm(x1, x2, gamma, eps, MODES[cast_mode], norm_input == "fp32_sum")
-
-
-# ---- npu: torch_npu.npu_rms_norm / npu_add_rms_norm ----------------------------------------------
-# npu_rms_norm(self, gamma, epsilon) -> (y, rstd) computes in fp32 and casts once: `fp32`. For `hf`
-# (cast before the weight) it normalises with a unit gamma and the real gamma multiplies in torch,
-# which also reproduces HF's dtype promotion. Limits as documented: 2-8 dims, (x, gamma) dtype
-# pairs per chip series; npu_add_rms_norm: no empty tensors, gamma in x's dtype, no bf16 on Atlas
-# inference series chips. Neither has a no-cast path.
-RMS_NORM_PAIRS_A2_A3 = {(torch.float16, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
-                        (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)}
-RMS_NORM_PAIRS_OLDER = {(torch.float16, torch.float16), (torch.float32, torch.float32)}
-
-
-def _npu_common(x, cast_mode):
-    if x.dim() > 8:
-        return f"rank {x.dim()} > 8"
-    if cast_mode == "none":
-        return "cast_mode none: torch_npu's norm kernels always compute in fp32"
-    return None
-
-
-def _npu_rms_norm_supports(backend, x, gamma, eps, cast_mode):
-    reason = _npu_common(x, cast_mode)
-    if reason:
-        return reason
-    series = backend.series_of(x)
-    pairs = RMS_NORM_PAIRS_A2_A3 if series == "a2_a3" else RMS_NORM_PAIRS_OLDER
-    g = x.dtype if gamma is None or cast_mode == "hf" else gamma.dtype  # hf: a unit gamma in x's dtype
-    if (x.dtype, g) not in pairs:
-        return (f"npu_rms_norm: x {dtype_name(x.dtype)} with gamma {dtype_name(g)} is not a documented pair on {series} "
-                f"chips")
-    return None
-
-
-def _npu_add_rms_norm_supports(backend, x1, x2, gamma, eps, cast_mode, norm_input):
-    reason = _npu_common(x1, cast_mode)
-    if reason:
-        return reason
-    if not x1.numel():
-        return "npu_add_rms_norm: empty tensors are not supported"
-    if backend.series_of(x1) == "inference" and x1.dtype == torch.bfloat16:
-        return "npu_add_rms_norm: bfloat16 not supported on Atlas inference series chips"
-    if cast_mode == "fp32" and gamma is not None and gamma.dtype != x1.dtype:
-        return f"npu_add_rms_norm: gamma dtype {dtype_name(gamma.dtype)} must equal x's {dtype_name(x1.dtype)}"
-    return None
-
-
-def _npu_gamma(gamma, x, cast_mode):
-    """(gamma for the kernel, gamma to apply afterwards in torch for hf mode)."""
-    D = x.shape[-1]
-    if cast_mode == "fp32" and gamma is not None:
-        return gamma.reshape(D), None  # a documented (x, gamma) pair: supports() checked it
-    return unit_gamma(D, x.dtype, x.device), (None if gamma is None else gamma.reshape(D))
-
-
-@functools.lru_cache(maxsize=64)
-def unit_gamma(D: int, dtype, device) -> torch.Tensor:
-    """The unit gamma hf mode normalises with, made once per (width, dtype, device): a norm call made one (a host
-    allocation and a fill launch) every time, 36 layers x 2 norms a decode step."""
-    return torch.ones(D, dtype=dtype, device=device)
-
-
-@RMS_NORM.impl("npu", supports=_npu_rms_norm_supports)
-def _(backend, x, gamma, eps, cast_mode):
-    g, post = _npu_gamma(gamma, x, cast_mode)
-    y, _ = backend.torch_npu().npu_rms_norm(as_rows(x), g, epsilon=eps)
-    y = y.reshape(x.shape)
-    return y if post is None else post * y
-
-
-@ADD_RMS_NORM.impl("npu", supports=_npu_add_rms_norm_supports)
-def _(backend, x1, x2, gamma, eps, cast_mode, norm_input):
-    tnpu = backend.torch_npu()
-    if norm_input == "fp32_sum" and x1.dtype != torch.float32:
-        # npu_add_rms_norm's documentation does not say whether it normalises the sum before or after rounding
-        # it: the fp32 sum goes through npu_rms_norm (fp32 in, fp32 out: a documented pair) instead
-        s = x1.float() + x2.float()
-        g, post = _npu_gamma(gamma, s, cast_mode)
-        y, _ = tnpu.npu_rms_norm(as_rows(s), g.float(), epsilon=eps)
-        y = y.reshape(x1.shape).to(x1.dtype)
-        return (y if post is None else post * y), s.to(x1.dtype)
-    g, post = _npu_gamma(gamma, x1, cast_mode)
-    y, _, x_out = tnpu.npu_add_rms_norm(as_rows(x1), as_rows(x2), g, epsilon=eps)
-    y, x_out = y.reshape(x1.shape), x_out.reshape(x1.shape)
-    return (y if post is None else post * y), x_out
-
-
-# ---- pypto: one shape-agnostic JIT kernel per op --------------------------------------------------
-def rms_norm_kernel(pypto):
-    from ..backends import pypto_lib as pl
-
-    def rms_norm(x: pypto.Tensor(), g: pypto.Tensor(), out: pypto.Tensor(), eps, inv_d, mode, rows, cols):
-        pypto.set_vec_tile_shapes(rows, cols)
-        out[:] = pl.norm(x, g, out.dtype, eps, inv_d, mode, x.dtype)
-    return rms_norm
-
-
-def add_rms_norm_kernel(pypto):
-    from ..backends import pypto_lib as pl
-
-    def add_rms_norm(x1: pypto.Tensor(), x2: pypto.Tensor(), g: pypto.Tensor(), out: pypto.Tensor(),
-                     x_out: pypto.Tensor(), eps, inv_d, mode, fp32_sum, rows, cols):
-        pypto.set_vec_tile_shapes(rows, cols)
-        if fp32_sum == 1:  # the norm reads the fp32 sum, the residual is its rounding (vLLM's)
-            s = pypto.add(pl.f32(x1), pl.f32(x2))
-            y = pl.norm(s, g, out.dtype, eps, inv_d, mode, x1.dtype)
-            out[:] = y
-            x_out[:] = pl.to(s, x1.dtype)
-        else:
-            s = pypto.add(x1, x2)
-            y = pl.norm(s, g, out.dtype, eps, inv_d, mode, x1.dtype)
-            out[:] = y
-            x_out[:] = s
-    return add_rms_norm
-
-
-def _pypto_gamma(gamma, x, cast_mode):
-    g = vector(gamma, x.shape[-1], x, 1.0)
-    return g.to(x.dtype) if cast_mode == "none" else g  # no-cast: everything in x's dtype
-
-
-@RMS_NORM.impl("pypto", supports=lambda backend, x, gamma, *rest: backend.runs_on(x) or _gamma_float(gamma))
-def _(backend, x, gamma, eps, cast_mode):
-    y = RMS_NORM.empty_outputs(x, gamma, eps, cast_mode)
-    if x.numel():
-        D = x.shape[-1]
-        backend.launch("rms_norm", rms_norm_kernel, x, [rows(x), _pypto_gamma(gamma, x, cast_mode)],
-                       [y.view(-1, D)], [float(eps), 1.0 / D, MODES[cast_mode]])
-    return y
-
-
-@ADD_RMS_NORM.impl("pypto", supports=lambda backend, x1, x2, gamma, *rest: backend.runs_on(x1) or _gamma_float(gamma))
-def _(backend, x1, x2, gamma, eps, cast_mode, norm_input):
-    y, x_out = ADD_RMS_NORM.empty_outputs(x1, x2, gamma, eps, cast_mode, norm_input)
-    if x1.numel():
-        D = x1.shape[-1]
-        backend.launch("add_rms_norm", add_rms_norm_kernel, x1,
-                       [rows(x1), rows(x2), _pypto_gamma(gamma, x1, cast_mode)], [y.view(-1, D), x_out.view(-1, D)],
-                       [float(eps), 1.0 / D, MODES[cast_mode], int(norm_input == "fp32_sum")])
-    return y, x_out

@@ -1,5 +1,5 @@
 // The Python module of the cpu kernels: every op source's PG_KERNELS bindings, and the level compiled.
-// cpu.py builds it as one translation unit that includes every pypto_gym/ops/defs/*.cpp before this file.
+// backend.py builds it as one translation unit that includes every pypto_gym/kernels/cpu/*.cpp before this file.
 #include "common.h"
 
 namespace {

@@ -62,7 +62,7 @@ def check_version() -> str:
         raise PyptoVersionError("pypto is not installed (pip install 'pypto-gym[pypto]')")
     if version != SUPPORTED_VERSION:
         raise PyptoVersionError(f"pypto {version} installed; pypto_gym's adaptations are for {SUPPORTED_VERSION} "
-                                f"(see pypto_gym/ops/backends/pypto_compat.py)")
+                                f"(see pypto_gym/kernels/pypto/compat.py)")
     import_pypto()
     from pypto import _utils
     from pypto.frontend.parser import entry

@@ -1,12 +1,12 @@
 """The `pypto` backend's machinery: compiling and running PyPTO JIT kernels, and what a SIM run tells.
 
-Each op definition writes its PyPTO kernel as a factory `kernel(pypto) -> function` (so PyPTO is
+Each op's module here (kernels/pypto/<op>.py) writes its PyPTO kernel as a factory `kernel(pypto) -> function` (so PyPTO is
 imported only when a kernel is first needed) and launches it with `backend.launch(...)`. Kernels
 see 2-D row tensors [R, D] and per-channel vectors as [1, D] (the rotary kernels: [tokens, heads,
 D]), take their tile shape (rows, cols; rows, heads, cols) as the last arguments, and follow two rules PyPTO 0.2.0 imposes: outputs are assigned last,
 in the order they are declared (PyPTO numbers outputs by first assignment, which is how this
 module matches the verification dumps to outputs), and no tensor is read after it has been
-assigned to an output. Shared helpers for kernel bodies live in pypto_lib.py.
+assigned to an output. Shared helpers for kernel bodies live in lib.py.
 
 NPU tensors run the kernels with RunMode.NPU. CPU tensors run the same kernels through PyPTO's
 compiler in RunMode.SIM: PyPTO executes the compiled program with its CPU calculator after its
@@ -18,7 +18,7 @@ the call. On CPU this backend verifies kernels and estimates NPU time; it is not
 PyPTO 0.2.0 compiles and simulates on every SIM call (it cannot run a cached program on CPU), so
 each call's result (outputs, verdicts, estimate) is cached on disk, keyed by everything that
 decides it: the inputs' bytes, the kernel's source, tile configuration and scalars, and the
-source of this machinery. Adaptations of PyPTO 0.2.0 internals live in pypto_compat.py.
+source of this machinery. Adaptations of PyPTO 0.2.0 internals live in compat.py.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 from ... import files
-from .. import registry
-from ..registry import Backend, register
+from ...ops import registry
+from ...ops.registry import Backend, register
 
 UB_BYTES = 192 * 1024  # Ascend 910B unified buffer per vector core
 # Batched pypto.matmul (the attention kernels): (window or KV head, head) pairs per matmul and at most per launch
@@ -46,7 +46,7 @@ UB_BYTES = 192 * 1024  # Ascend 910B unified buffer per vector core
 MATMUL_PAIRS = 32
 MASKED = -1e30  # an additive score bias that masks a key (exp underflows to 0 in fp32)
 LIVE_FP32_ROWS = 3  # x, the normalised row and one temporary, all fp32, live in one tile
-_SOURCES = [Path(__file__).with_name(n) for n in ("pypto_lib.py", "pypto_backend.py", "pypto_compat.py")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("lib.py", "backend.py", "compat.py")]
 
 
 @dataclass(frozen=True)
@@ -73,12 +73,12 @@ def bucket(R: int) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _tuned() -> dict:
-    path = Path(__file__).with_name("pypto_tiling.json")
+    path = Path(__file__).with_name("tiling.json")
     return json.loads(path.read_text()) if path.exists() else {}
 
 
 def clear_tuned() -> None:
-    """Re-read pypto_tiling.json on the next call (after `bench pypto --tune` rewrote it)."""
+    """Re-read tiling.json on the next call (after `bench pypto --tune` rewrote it)."""
     _tuned.cache_clear()
 
 
@@ -86,7 +86,7 @@ def tile_config(op: str, R: int, D: int, align: int = 16) -> Tiles:
     """The tile configuration for one call. Columns: the reduce axis stays whole where one fp32 row
     fits the unified buffer (reference 000's advice), padded by PyPTO to 32-byte rows, so D need
     not be a multiple of 8; wider rows are split and PyPTO reduces across column tiles. Rows and
-    the merge count: from pypto_tiling.json for the shape classes tuned on SIM's 910B2 cost model
+    the merge count: from tiling.json for the shape classes tuned on SIM's 910B2 cost model
     (`scripts/bench.py pypto FILE --tune`), else as many rows as fit, up to 8."""
     cols = -(-D // align) * align  # 32-byte rows for the narrowest dtype in the tile (int8 outputs: 32)
     per_row = cols * 4 * LIVE_FP32_ROWS
@@ -142,7 +142,7 @@ class PyptoBackend(Backend):
     def unavailable_reason(self):
         if self._error is None:
             try:
-                from . import pypto_compat
+                from . import compat as pypto_compat
 
                 pypto_compat.check_version()
             except Exception as e:  # noqa: BLE001 - missing or unsupported pypto is a reason, not a crash
@@ -162,7 +162,7 @@ class PyptoBackend(Backend):
     def _kernel(self, device_type: str, name: str, factory, nbuffer: int):
         import pypto
 
-        from . import pypto_compat
+        from . import compat as pypto_compat
 
         pypto_compat.apply()
         mode = pypto.RunMode.NPU if device_type == "npu" else pypto.RunMode.SIM
@@ -184,7 +184,7 @@ class PyptoBackend(Backend):
         from the tuning table / the default rule for x's rows unless given. On CPU: record `last_run`,
         served from the result cache if this exact call was verified before. `kinds`: SPEC 5's kind of each output
         for PyPTO's pass verification (precision.compare), None to judge by the dtype."""
-        from . import pypto_compat
+        from . import compat as pypto_compat
 
         R, D = x.numel() // x.shape[-1], x.shape[-1]
         tiles = tiles or tile_config(name, R, D, align)
@@ -246,7 +246,7 @@ def vector(t, D: int, like: torch.Tensor, fill: float) -> torch.Tensor:
 
 # ---- the per-call result cache (SIM only) --------------------------------------------------------
 def _results_dir() -> Path:
-    from . import pypto_compat
+    from . import compat as pypto_compat
 
     return pypto_compat.cache_dir() / "results"
 

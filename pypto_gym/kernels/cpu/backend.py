@@ -1,6 +1,6 @@
-"""The `cpu` backend's machinery: every op's fused C++ kernels (ops/defs/*.cpp), built once per machine.
+"""The `cpu` backend's machinery: every op's fused C++ kernels (kernels/cpu/<op>.cpp), built once per machine.
 
-Each op definition with a cpu kernel ships its C++ source next to it (ops/defs/<op>.cpp); the
+Each op with a cpu kernel has its C++ source beside its Python glue (kernels/cpu/<op>.cpp and <op>.py); the
 shared layer (SIMD, dtypes, row primitives) is csrc/common.h and the module csrc/module.cpp. They
 are compiled as one translation unit (a unity build: each op file is included, in name order),
 because the torch headers dominate compile time and one unit costs one header parse.
@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 
 from ... import config, files, hardware
-from ..registry import Backend, register
+from ...ops.registry import Backend, register
 
-CSRC = Path(__file__).with_name("csrc")
-DEFS = Path(__file__).resolve().parent.parent / "defs"
+HERE = Path(__file__).resolve().parent
+CSRC = HERE / "csrc"
 ISA_FLAGS = {
     "avx512amx": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16",
                   "-mamx-tile", "-mamx-bf16"],
@@ -54,7 +54,7 @@ LOCK_WAIT_S = 900  # a live build takes under a minute; past this, say so instea
 
 def sources() -> list[Path]:
     """What the build compiles, in order: every op's source (by name), then the module."""
-    return sorted(DEFS.glob("*.cpp")) + [CSRC / "module.cpp"]
+    return sorted(HERE.glob("*.cpp")) + [CSRC / "module.cpp"]
 
 
 def _content() -> list[tuple[str, str]]:
@@ -159,7 +159,7 @@ def build(isa: str):
 
 
 class CpuBackend(Backend):
-    """The C++ kernels for one instruction-set level. Every level is the `cpu` family: op definitions
+    """The C++ kernels for one instruction-set level. Every level is the `cpu` family: the op modules beside this one
     register one implementation, `fn(backend, *args)`, calling `backend.ext`, the compiled module."""
 
     devices = ("cpu",)

@@ -1,7 +1,7 @@
 """The `npu` backend's machinery: torch_npu, imported lazily, and the chip it runs on.
 
 torch_npu is imported on the first NPU call, so nothing here touches it on machines without
-CANN (importing it there breaks `import torch`). Each op definition maps itself onto torch_npu's
+CANN (importing it there breaks `import torch`). Each op's module beside this one (kernels/npu/<op>.py) maps it onto torch_npu's
 documented API (`@op.impl("npu", supports=...)`) and states torch_npu's documented limits as its
 `supports` predicate; this module provides the module and the chip series those limits depend on.
 """
@@ -12,7 +12,7 @@ import importlib
 
 import torch
 
-from ..registry import Backend, register
+from ...ops.registry import Backend, register
 
 HALF = (torch.float16, torch.bfloat16)
 # The mapping follows torch_npu's pages on Ascend/op-plugin master and branch 26.0.0 (the `npu` extra pins torch_npu

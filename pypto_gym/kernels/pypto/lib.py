@@ -1,4 +1,4 @@
-"""Helpers for PyPTO kernel bodies, shared by the op definitions' kernels (imported only to build one).
+"""Helpers for PyPTO kernel bodies, shared by the kernels of kernels/pypto/<op>.py (imported only to build one).
 
 PyPTO's frontend inlines these calls into the kernel it traces (so they import nothing: its parser
 takes no imports). The math follows each op's golden: `norm` is SPEC 2.1 in each cast mode,

@@ -16,7 +16,7 @@ compiled level as an attention output ("mixture": SPEC 5).
 # no `from __future__ import annotations` here: PyPTO reads the kernel's annotations as objects
 import torch
 
-from .pypto_backend import MATMUL_PAIRS, RunInfo, Tiles
+from .backend import MATMUL_PAIRS, RunInfo, Tiles
 
 KEY_TILE = 256  # keys per online-softmax step
 MAX_ROWS = 64  # query rows per pair: a [64, 256] fp32 score tile at most
@@ -36,7 +36,7 @@ def pairs_per_launch(tiles: int) -> int:
 
 
 def tiled_attention_kernel(pypto):
-    from . import pypto_lib as pl
+    from . import lib as pl
 
     def tiled_attention(q: pypto.Tensor(), k: pypto.Tensor(), v: pypto.Tensor(), bias: pypto.Tensor(),
                         out: pypto.Tensor(), scale, tile, round_exps, rows, cols):
