@@ -1,4 +1,4 @@
-"""varlen_attention and the vision attention rule (patching/attention.py) on real transformers vision towers
+"""varlen_attention and the vision attention rule (patching/rules/attention.py) on real transformers vision towers
 (CI runs this module on 5.x and on 4.57).
 
 The op's golden is HF's per-window sdpa loop; the independent evidence here is an fp64 softmax attention per

@@ -1,4 +1,4 @@
-"""The SwiGLU MLP rule (patching/mlp.py) on real transformers models: found, probed, patched, exact on torch."""
+"""The SwiGLU MLP rule (patching/rules/mlp.py) on real transformers models: found, probed, patched, exact on torch."""
 import copy
 
 import pytest

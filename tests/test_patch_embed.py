@@ -1,4 +1,4 @@
-"""patch_embed and the patch-embedding rule (patching/patch_embed.py) on real transformers vision towers (CI runs this
+"""patch_embed and the patch-embedding rule (patching/rules/patch_embed.py) on real transformers vision towers (CI runs this
 module on 5.x and on 4.57).
 
 The op's golden is HF's forward (the conv3d); the independent evidence is an fp64 product of each flattened patch

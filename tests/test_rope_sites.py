@@ -1,4 +1,4 @@
-"""The rotary rule (patching/rope.py) on real transformers models, on whichever transformers is installed
+"""The rotary rule (patching/rules/rope.py) on real transformers models, on whichever transformers is installed
 (CI runs this module on 5.x and on 4.57, whose attention calls a different function with the MRoPE planes).
 
 What would fail if the patch silently did nothing (as a reassignment of transformers' function does on
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import pypto_gym
-from pypto_gym.patching import rope as rope_rule
+from pypto_gym.patching.rules import rope as rope_rule
 
 from models import randomise_norm_weights, tiny_llama, tiny_qwen3
 
@@ -314,7 +314,7 @@ def test_a_rotary_function_the_kernels_hub_wrapped_is_probed_and_named_as_itself
     signature and name."""
     import inspect
 
-    from pypto_gym.patching.rope import function_name, plain_function, probe
+    from pypto_gym.patching.rules.rope import function_name, plain_function, probe
 
     kernels = pytest.importorskip("kernels")
     wrapped = kernels.use_kernel_forward_from_hub("rotary_pos_emb")(_my_rotary)

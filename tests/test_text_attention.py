@@ -1,4 +1,4 @@
-"""decoder_attention and the text attention rule (patching/text_attention.py): the decoder's attention through
+"""decoder_attention and the text attention rule (patching/rules/text_attention.py): the decoder's attention through
 transformers' own attention interface (CI runs this module on 5.x and on 4.57).
 
 The op's golden follows transformers' `sdpa_attention_forward` step by step; the independent evidence here is an
@@ -16,7 +16,7 @@ import torch
 import pypto_gym
 from pypto_gym import ops
 from pypto_gym.ops.defs.decoder_attention import decoder_attention
-from pypto_gym.patching import text_attention
+from pypto_gym.patching.rules import text_attention
 
 from models import tiny_llama, tiny_qwen3
 

@@ -169,7 +169,7 @@ KEEP_POSITIONS = tune.KEEP_POSITIONS
 def inject_outliers(model) -> int:
     """Scale 4 gamma channels of every norm that feeds linears by 30-100x (fixed channels); returns how many norms."""
     from ..models import family_of
-    from ..patching.norm import NORMS
+    from ..patching.rules.norm import NORMS
 
     n = 0
     with torch.no_grad():
@@ -395,7 +395,7 @@ def _linear_kinds(model) -> list:
 
 def _producer_group(model, linear):
     """The module whose rows `linear` reads together with its siblings (a norm or an MLP), else itself."""
-    from ..patching.norm import NORMS
+    from ..patching.rules.norm import NORMS
     from ..quant.topology import linears_after
 
     for cand in NORMS.candidates(model, None):

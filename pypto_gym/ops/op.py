@@ -327,7 +327,7 @@ class Op:
 
 
 def _op_named(name: str) -> Op:
-    import pypto_gym.ops  # noqa: F401  (registers the ops and their kernels)
+    from . import defs  # noqa: F401  (registers the ops; importing this package loaded their kernels)
 
     return Op.registry[name]
 

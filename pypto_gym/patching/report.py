@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-
-SITE_NAMES = {"rms_norm": "norm", "swiglu": "mlp", "rope": "rope", "qk_norm_rope": "qk-norm+rope",
-              "varlen_attention": "vision attention", "decoder_attention": "text attention",
-              "patch_embed": "patch embedding"}  # how the summary line names an op's sites
+from .site import site_label
 
 
 class PatchReport:
@@ -54,7 +51,7 @@ class PatchReport:
         d = self.to_json()
         s = d["summary"]
         ran = ", ".join(f"{k} x{v}" for k, v in s["ran_on"].items()) or "none yet"
-        counts = ", ".join(f"{c['patched']}/{c['candidates']} {SITE_NAMES.get(op, op)} sites patched"
+        counts = ", ".join(f"{c['patched']}/{c['candidates']} {site_label(op)} sites patched"
                            for op, c in s["by_op"].items())
         lines = [f"pypto-gym patch report: {counts or 'no sites'}, "
                  f"backend={d['backend']}, cast_mode={d['cast_mode']}, enabled={d['enabled']}, "

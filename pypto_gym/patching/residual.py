@@ -14,7 +14,7 @@ import ast
 
 import torch
 
-from .norm import add_norm, norm_site
+from .rules.norm import add_norm, norm_site
 from .rewrite import ReplaceNode, RewrittenForward, name_is, rewritten, self_attr_call
 from .site import SwappedForward
 

@@ -132,6 +132,8 @@ class Rule:
 
     name = ""
     op = ""
+    labels: dict = {}  # op name -> how the report's summary line names its sites ("norm" for rms_norm)
+    after: tuple = ()  # the rules that apply before this one (what it builds on, or what the report lists first)
     site_class: type[Site]  # what install() puts on a candidate
     linears: tuple = ()  # the module's children whose bias the cpu backend adds in the GEMM's epilogue (gemm.py)
     kind_suffix = ""  # a candidate's kind: "<part>.<kind_suffix>" (vision. or text.), unless kind_of says more
@@ -173,12 +175,35 @@ def weight_details(weight: torch.Tensor) -> dict:
     return {"D": int(weight.shape[0]), "dtype": dtype_name(weight.dtype), "device": str(weight.device)}
 
 
-RULES: list[Rule] = []  # module-level site rules, in the order they are applied
+RULES: list[Rule] = []  # module-level site rules (patching/rules/), in the order they are applied
 
 
 def register(rule: Rule) -> Rule:
-    RULES.append(rule)
+    """Add a rule (each module of patching/rules/ registers its own) and keep RULES in an order where every rule
+    comes after the rules its `after` names."""
+    if any(r.name == rule.name for r in RULES):
+        raise ValueError(f"site rule {rule.name!r} registered twice")
+    by_name = {r.name: r for r in (*RULES, rule)}
+    ordered: list[Rule] = []
+
+    def visit(r, seen=()):
+        if r in ordered:
+            return
+        if r.name in seen:
+            raise ValueError(f"site rules order themselves in a circle: {' -> '.join((*seen, r.name))}")
+        for name in r.after:
+            if name in by_name:
+                visit(by_name[name], (*seen, r.name))
+        ordered.append(r)
+    for r in by_name.values():
+        visit(r)
+    RULES[:] = ordered
     return rule
+
+
+def site_label(op_name: str) -> str:
+    """How the report's summary line names the sites of an op: the label its rule gives, else the op's name."""
+    return next((r.labels[op_name] for r in RULES if op_name in r.labels), op_name)
 
 
 def part(path: str) -> str:

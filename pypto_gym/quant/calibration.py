@@ -70,8 +70,8 @@ class Calibrator:
         self._handles = []
 
     def __enter__(self):
-        from ..patching.mlp import MLPS
-        from ..patching.norm import NORMS
+        from ..patching.rules.mlp import MLPS
+        from ..patching.rules.norm import NORMS
         from .fold import folds
 
         for cand in NORMS.candidates(self.model, None):
@@ -139,8 +139,8 @@ def _smooth(absmax: torch.Tensor, weights, alpha: float, fold=None) -> torch.Ten
 def smooth_scales(model, absmax: dict, alpha: float) -> dict:
     """{path: s fp32} for every recorded norm that has consumer linears, every recorded MLP and every recorded
     linear that quantises its own input and has a source to fold its scale into."""
-    from ..patching.mlp import MLPS
-    from ..patching.norm import NORMS
+    from ..patching.rules.mlp import MLPS
+    from ..patching.rules.norm import NORMS
     from .fold import folds
     from .topology import linears_after
 

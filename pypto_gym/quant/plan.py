@@ -22,8 +22,8 @@ import torch
 
 from .. import hardware
 from ..kernels.cpu import quant_matmul
-from ..patching.mlp import MlpSite
-from ..patching.norm import NormSite
+from ..patching.rules.mlp import MlpSite
+from ..patching.rules.norm import NormSite
 from ..patching.site import SLOT, part
 from . import calibration
 from .linear import STORED_STATIC, QuantLinear, linear_kind, quant_linear_of

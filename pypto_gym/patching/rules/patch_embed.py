@@ -15,9 +15,9 @@ import math
 
 import torch
 
-from .. import config
-from ..ops import OPS, registry
-from .site import (GEMM_PROBE_TOL, Candidate, Rule, Site, gemm_probe_diff, has_hooks, probe_failed, register,
+from ... import config
+from ...ops import OPS, registry
+from ..site import (GEMM_PROBE_TOL, Candidate, Rule, Site, gemm_probe_diff, has_hooks, probe_failed, register,
                    torch_hooks_set_aside, weight_details)
 
 PATCH_EMBED = OPS["patch_embed"]
@@ -88,6 +88,8 @@ def _probe(module, conv) -> str:
 
 class PatchEmbedRule(Rule):
     name, op, kind_suffix = "patch_embed", "patch_embed", "patch_embed"
+    labels = {"patch_embed": "patch embedding"}
+    after = ("text_attention",)  # listed last in the report
     site_class = PatchEmbedSite
 
     def classify(self, path, module, options=None):

@@ -18,9 +18,9 @@ import textwrap
 
 import torch
 
-from ..ops import OPS, ArgTypeError, ArgValueError, dtype_name
+from ...ops import OPS, ArgTypeError, ArgValueError, dtype_name
 from .rope import ROPES, RopeSite, window_attention_statement
-from .site import Candidate, Rule, Site, register, selected, site_of
+from ..site import Candidate, Rule, Site, register, selected, site_of
 
 VARLEN_ATTENTION = OPS["varlen_attention"]
 _has_window_loop: dict = {}  # class -> bool
@@ -104,6 +104,8 @@ def attention_implementation(module):
 
 class AttentionRule(Rule):
     name, op, kind_suffix = "attention", "varlen_attention", "attention"
+    labels = {"varlen_attention": "vision attention"}
+    after = ("rope",)  # a vision attention site joins its rope site's rewrite
     linears = ("qkv", "proj")
     site_class = AttentionSite
 

@@ -28,11 +28,11 @@ import textwrap
 
 import torch
 
-from .. import config
-from ..ops import OPS, ArgTypeError, ArgValueError, dtype_name
+from ... import config
+from ...ops import OPS, ArgTypeError, ArgValueError, dtype_name
 from .norm import norm_site
-from .rewrite import ReplaceNode, RewrittenForward, name_is, rewritten, self_attr_call
-from .site import Candidate, Rule, Site, has_hooks, part, register
+from ..rewrite import ReplaceNode, RewrittenForward, name_is, rewritten, self_attr_call
+from ..site import Candidate, Rule, Site, has_hooks, part, register
 
 ROPE, QK_NORM_ROPE = OPS["rope"], OPS["qk_norm_rope"]
 _STATE = config.STATE
@@ -400,6 +400,8 @@ RopeSite.FORWARD = rope_forward
 
 class RopeRule(Rule):
     name, op = "rope", "rope"
+    labels = {"rope": "rope", "qk_norm_rope": "qk-norm+rope"}
+    after = ("norm", "mlp")  # a qk_norm_rope site takes over its q/k norm sites
     site_class = RopeSite
 
     def kind_of(self, path, module):

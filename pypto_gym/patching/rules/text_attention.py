@@ -21,10 +21,10 @@ import inspect
 
 import torch
 
-from .. import config
-from ..ops import OPS, ArgTypeError, ArgValueError, dispatch, dtype_name
-from .rewrite import CHECK_REL_TOL
-from .site import Candidate, Rule, Site, part, register
+from ... import config
+from ...ops import OPS, ArgTypeError, ArgValueError, dispatch, dtype_name
+from ..rewrite import CHECK_REL_TOL
+from ..site import Candidate, Rule, Site, part, register
 
 DECODER_ATTENTION = OPS["decoder_attention"]
 IMPLEMENTATION = "pypto_gym"
@@ -171,6 +171,8 @@ class DecoderAttentionSite(Site):
 
 class DecoderAttentionRule(Rule):
     name, op, kind_suffix = "text_attention", "decoder_attention", "attention"
+    labels = {"decoder_attention": "text attention"}
+    after = ("attention",)  # the report lists the vision tower's sites first
     linears = ("q_proj", "k_proj", "v_proj", "o_proj")
     site_class = DecoderAttentionSite
 

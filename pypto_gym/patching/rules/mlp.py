@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import config
-from ..ops import OPS
-from .site import (GEMM_PROBE_TOL, Candidate, Rule, Site, gemm_probe_diff, has_hooks, probe_failed, register,
+from ... import config
+from ...ops import OPS
+from ..site import (GEMM_PROBE_TOL, Candidate, Rule, Site, gemm_probe_diff, has_hooks, probe_failed, register,
                    torch_hooks_set_aside, weight_details)
 
 SWIGLU = OPS["swiglu"]
@@ -108,6 +108,8 @@ def _probe(module) -> str:
 
 class MlpRule(Rule):
     name, op, kind_suffix = "mlp", "swiglu", "mlp"
+    labels = {"swiglu": "mlp"}
+    after = ("norm",)  # the report lists a layer's norms first
     linears = ("gate_proj", "up_proj", "down_proj")
     site_class = MlpSite
 

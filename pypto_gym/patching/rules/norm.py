@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import config
-from ..ops import OPS
-from .site import Candidate, Rule, Site, has_hooks, part, probe_failed, register, site_of, weight_details
+from ... import config
+from ...ops import OPS
+from ..site import Candidate, Rule, Site, has_hooks, part, probe_failed, register, site_of, weight_details
 
 TEXT_KINDS = {"input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"}
 _PROBE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -159,6 +159,7 @@ def add_norm(norm: torch.nn.Module, hidden, residual):
 
 class NormRule(Rule):
     name, op = "norm", "rms_norm"
+    labels = {"rms_norm": "norm"}
     site_class = NormSite
 
     def kind_of(self, path, module):
