@@ -336,6 +336,39 @@ def test_patch_options_are_checked(tiny_loaded, calib_file):
         patch_model(model, backend="cpu")
 
 
+
+@pytest.mark.parametrize("scheme", ["dynamic", "static"])
+def test_quantize_is_the_w8a8_pass_over_a_patched_model(tiny_loaded, sample_inputs, calib_file, scheme):
+    """quantize(model, W8A8(...)) on a patched model keeps that patch's options, adds the same int8 linears and
+    numbers as patch_model(quant=...), and unpatch restores the float model; bad configs are refused first."""
+    from pypto_gym.patching.api import patch_options
+    from pypto_gym.quant import W8A8, quantize
+
+    model, twin = copy.deepcopy(tiny_loaded[0]), copy.deepcopy(tiny_loaded[0])
+    before = _logits(model, sample_inputs)
+    patch_model(model, backend="cpu", sites="text.*", fuse_residual=False)
+    report = quantize(model, W8A8(scheme, calibration=calib_file)).to_json()
+    kept = patch_options(model)
+    assert (kept.backend, kept.sites, kept.fuse_residual) == ("cpu", ("text.*",), False)
+    assert {r["kind"].split(".")[0] for r in report["sites"] if r["status"] == "patched"} == {"text"}
+    assert report["quant"] == report["w8a8"]["mode"] == W8A8(scheme).mode and report["w8a8"]["summary"]["int8"] > 0
+    patch_model(twin, backend="cpu", sites="text.*", fuse_residual=False, quant=W8A8(scheme).mode,
+                calibration=calib_file)
+    assert torch.equal(_logits(model, sample_inputs), _logits(twin, sample_inputs))
+    with pytest.raises(ValueError, match="already quantised"):
+        quantize(model, W8A8(scheme))
+    unpatch_model(model)
+    assert torch.equal(_logits(model, sample_inputs), before)
+    with pytest.raises(ValueError, match="scheme: got 'w4a4'"):
+        W8A8("w4a4")
+    with pytest.raises(TypeError, match="config: got str"):
+        quantize(model, "w8a8")
+    patch_model(model, backend="cpu")
+    with pytest.raises(ValueError, match="float_linears"):  # refused before the float patch is taken off
+        quantize(model, W8A8(scheme, float_linears="!text.o_proj"))
+    assert pypto_gym.patch_report(model).to_json()["quant"] is None
+
+
 # ---- calibration -------------------------------------------------------------------------------
 def test_calibration_is_deterministic_and_follows_the_smoothquant_formula(tiny_loaded, calib_file, tmp_path):
     again = tmp_path / "again.safetensors"

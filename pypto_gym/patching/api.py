@@ -192,6 +192,12 @@ def unpatch_model(model: torch.nn.Module) -> None:
     _undo(state)
 
 
+def patch_options(model: torch.nn.Module) -> PatchConfig | None:
+    """The options `model` is patched with (None if it is not patched)."""
+    state = model.__dict__.get(_STATE_ATTR)
+    return None if state is None else state.options
+
+
 def patch_report(model: torch.nn.Module) -> PatchReport | None:
     """The live report of a patched model (None if it is not patched)."""
     state = model.__dict__.get(_STATE_ATTR)

@@ -1,6 +1,7 @@
 """W8A8: int8 weights and activations for the linears that read a norm's output (SmoothQuant-style).
 
-`patch_model(model, quant="w8a8", calibration=FILE)` makes each norm before such linears run
+`quantize(model, W8A8(scheme="dynamic" | "static", calibration=FILE, ...))` (api.py), or the same as patch options,
+`patch_model(model, quant="w8a8", calibration=FILE)`, makes each norm before such linears run
 `rms_norm_dynamic_quant` / `add_rms_norm_dynamic_quant` (norm.py), hands their int8 rows and
 per-row scales to the linears (activations.py), whose forwards run `ops.quant_matmul` on int8
 copies of their weights (linear.py); each patched SwiGLU MLP hands its down_proj int8 rows the same
@@ -14,9 +15,10 @@ scales and offsets from the calibration file's ranges (plan.py).
 import functools
 
 from ..patching import register_quant_mode
+from .api import W8A8, quantize
 from .plan import QuantPlan, install
 
 register_quant_mode("w8a8", install)
 register_quant_mode("w8a8_static", functools.partial(install, scheme="static"))
 
-__all__ = ["QuantPlan", "install"]
+__all__ = ["W8A8", "quantize", "QuantPlan", "install"]
