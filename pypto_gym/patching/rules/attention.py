@@ -18,11 +18,11 @@ import textwrap
 
 import torch
 
-from ...ops import OPS, ArgTypeError, ArgValueError, dtype_name
-from .rope import ROPES, RopeSite, window_attention_statement
+from ...ops import ArgTypeError, ArgValueError, dtype_name
+from ...ops.defs.varlen_attention import VARLEN_ATTENTION
 from ..site import Candidate, Rule, Site, register, selected, site_of
+from .rope import ROPES, RopeSite, window_attention_statement
 
-VARLEN_ATTENTION = OPS["varlen_attention"]
 _has_window_loop: dict = {}  # class -> bool
 
 
@@ -41,7 +41,7 @@ def has_window_attention(cls) -> bool:
 class AttentionSite(Site):
     """One vision attention whose windows run as one `varlen_attention` call, inside its rope site's rewrite."""
 
-    op = "varlen_attention"
+    op = VARLEN_ATTENTION.name
 
     def __init__(self, cand: Candidate, options):
         super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
@@ -103,8 +103,8 @@ def attention_implementation(module):
 
 
 class AttentionRule(Rule):
-    name, op, kind_suffix = "attention", "varlen_attention", "attention"
-    labels = {"varlen_attention": "vision attention"}
+    name, op, kind_suffix = "attention", VARLEN_ATTENTION.name, "attention"
+    labels = {VARLEN_ATTENTION.name: "vision attention"}
     after = ("rope",)  # a vision attention site joins its rope site's rewrite
     linears = ("qkv", "proj")
     site_class = AttentionSite

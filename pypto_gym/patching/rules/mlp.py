@@ -18,11 +18,20 @@ import torch
 import torch.nn.functional as F
 
 from ... import config
-from ...ops import OPS
-from ..site import (GEMM_PROBE_TOL, Candidate, Rule, Site, gemm_probe_diff, has_hooks, probe_failed, register,
-                   torch_hooks_set_aside, weight_details)
+from ...ops.defs.swiglu import SWIGLU
+from ..site import (
+    GEMM_PROBE_TOL,
+    Candidate,
+    Rule,
+    Site,
+    gemm_probe_diff,
+    has_hooks,
+    probe_failed,
+    register,
+    torch_hooks_set_aside,
+    weight_details,
+)
 
-SWIGLU = OPS["swiglu"]
 _STATE = config.STATE
 
 
@@ -34,7 +43,7 @@ def _linear(module, name):
 class MlpSite(Site):
     """One patched SwiGLU MLP: swiglu bound to its backend, counters and cast mode."""
 
-    op = "swiglu"
+    op = SWIGLU.name
 
     def __init__(self, cand: Candidate, options):
         super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
@@ -107,8 +116,8 @@ def _probe(module) -> str:
 
 
 class MlpRule(Rule):
-    name, op, kind_suffix = "mlp", "swiglu", "mlp"
-    labels = {"swiglu": "mlp"}
+    name, op, kind_suffix = "mlp", SWIGLU.name, "mlp"
+    labels = {SWIGLU.name: "mlp"}
     after = ("norm",)  # the report lists a layer's norms first
     linears = ("gate_proj", "up_proj", "down_proj")
     site_class = MlpSite

@@ -18,13 +18,12 @@ from __future__ import annotations
 import torch
 
 from ... import config
-from ...ops import OPS
+from ...ops.defs.rms_norm import ADD_RMS_NORM, RMS_NORM
 from ..site import Candidate, Rule, Site, has_hooks, part, probe_failed, register, site_of, weight_details
 
 TEXT_KINDS = {"input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"}
 _PROBE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 _STATE = config.STATE  # the master switch, read on every call
-RMS_NORM, ADD_RMS_NORM = OPS["rms_norm"], OPS["add_rms_norm"]
 
 
 def norm_kind(path: str) -> str:
@@ -93,7 +92,7 @@ def _probe(module, weight: torch.Tensor, eps: float) -> tuple[str, str]:
 class NormSite(Site):
     """One patched norm: rms_norm (and add_rms_norm, in a fused layer) bound to its eps and cast mode."""
 
-    op = "rms_norm"
+    op = RMS_NORM.name
 
     def __init__(self, cand: Candidate, options):
         super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
@@ -158,8 +157,8 @@ def add_norm(norm: torch.nn.Module, hidden, residual):
 
 
 class NormRule(Rule):
-    name, op = "norm", "rms_norm"
-    labels = {"rms_norm": "norm"}
+    name, op = "norm", RMS_NORM.name
+    labels = {RMS_NORM.name: "norm"}
     site_class = NormSite
 
     def kind_of(self, path, module):

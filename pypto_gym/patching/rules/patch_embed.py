@@ -16,11 +16,21 @@ import math
 import torch
 
 from ... import config
-from ...ops import OPS, registry
-from ..site import (GEMM_PROBE_TOL, Candidate, Rule, Site, gemm_probe_diff, has_hooks, probe_failed, register,
-                   torch_hooks_set_aside, weight_details)
+from ...ops import registry
+from ...ops.defs.patch_embed import PATCH_EMBED
+from ..site import (
+    GEMM_PROBE_TOL,
+    Candidate,
+    Rule,
+    Site,
+    gemm_probe_diff,
+    has_hooks,
+    probe_failed,
+    register,
+    torch_hooks_set_aside,
+    weight_details,
+)
 
-PATCH_EMBED = OPS["patch_embed"]
 _STATE = config.STATE
 
 
@@ -37,7 +47,7 @@ def _patch_conv(module) -> torch.nn.Conv3d | None:
 class PatchEmbedSite(Site):
     """One patch embedding whose Conv3d runs as `patch_embed` (the GEMM) on its backend."""
 
-    op = "patch_embed"
+    op = PATCH_EMBED.name
 
     def __init__(self, cand: Candidate, options):
         super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
@@ -87,8 +97,8 @@ def _probe(module, conv) -> str:
 
 
 class PatchEmbedRule(Rule):
-    name, op, kind_suffix = "patch_embed", "patch_embed", "patch_embed"
-    labels = {"patch_embed": "patch embedding"}
+    name, op, kind_suffix = "patch_embed", PATCH_EMBED.name, "patch_embed"
+    labels = {PATCH_EMBED.name: "patch embedding"}
     after = ("text_attention",)  # listed last in the report
     site_class = PatchEmbedSite
 

@@ -29,12 +29,12 @@ import textwrap
 import torch
 
 from ... import config
-from ...ops import OPS, ArgTypeError, ArgValueError, dtype_name
-from .norm import norm_site
+from ...ops import ArgTypeError, ArgValueError, dtype_name
+from ...ops.defs.rope import QK_NORM_ROPE, ROPE
 from ..rewrite import ReplaceNode, RewrittenForward, name_is, rewritten, self_attr_call
 from ..site import Candidate, Rule, Site, has_hooks, part, register
+from .norm import norm_site
 
-ROPE, QK_NORM_ROPE = OPS["rope"], OPS["qk_norm_rope"]
 _STATE = config.STATE
 _HELPER = "_pypto_gym_rope"
 _ATTENTION_HELPER = "_pypto_gym_attention"
@@ -287,7 +287,7 @@ class RopeSite(RewrittenForward, Site):
         super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
         self.form: Form = cand.info["form"]
         self.norms = cand.info["norms"]  # the q_norm/k_norm sites, when fused
-        self.op = "qk_norm_rope" if self.norms else "rope"
+        self.op = (QK_NORM_ROPE if self.norms else ROPE).name
         self.attention = None  # the vision.attention site (attention.py) whose op this rewrite also runs
         cast = "fp32" if options.cast_mode == "fp32" else self.form.cast_mode  # hf: HF's own rounding per form
         if self.norms:
@@ -399,8 +399,8 @@ RopeSite.FORWARD = rope_forward
 
 
 class RopeRule(Rule):
-    name, op = "rope", "rope"
-    labels = {"rope": "rope", "qk_norm_rope": "qk-norm+rope"}
+    name, op = "rope", ROPE.name
+    labels = {ROPE.name: "rope", QK_NORM_ROPE.name: "qk-norm+rope"}
     after = ("norm", "mlp")  # a qk_norm_rope site takes over its q/k norm sites
     site_class = RopeSite
 

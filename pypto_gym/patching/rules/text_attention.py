@@ -22,11 +22,11 @@ import inspect
 import torch
 
 from ... import config
-from ...ops import OPS, ArgTypeError, ArgValueError, dispatch, dtype_name
+from ...ops import ArgTypeError, ArgValueError, dispatch, dtype_name
+from ...ops.defs.decoder_attention import DECODER_ATTENTION
 from ..rewrite import CHECK_REL_TOL
 from ..site import Candidate, Rule, Site, part, register
 
-DECODER_ATTENTION = OPS["decoder_attention"]
 IMPLEMENTATION = "pypto_gym"
 SLOT = "_pypto_gym_attention_site"  # the module's own forward may carry another site (text.rope) in site.SLOT
 _STATE = config.STATE
@@ -86,7 +86,7 @@ def _scale_and_causal(module, q, scaling, is_causal) -> tuple[float, bool]:
 class DecoderAttentionSite(Site):
     """One text attention module whose attention runs as `decoder_attention`; its forward is left as it is."""
 
-    op = "decoder_attention"
+    op = DECODER_ATTENTION.name
 
     def __init__(self, cand: Candidate, options):
         super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
@@ -170,8 +170,8 @@ class DecoderAttentionSite(Site):
 
 
 class DecoderAttentionRule(Rule):
-    name, op, kind_suffix = "text_attention", "decoder_attention", "attention"
-    labels = {"decoder_attention": "text attention"}
+    name, op, kind_suffix = "text_attention", DECODER_ATTENTION.name, "attention"
+    labels = {DECODER_ATTENTION.name: "text attention"}
     after = ("attention",)  # the report lists the vision tower's sites first
     linears = ("q_proj", "k_proj", "v_proj", "o_proj")
     site_class = DecoderAttentionSite
