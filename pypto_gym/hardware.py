@@ -101,3 +101,11 @@ def capability() -> str:
              ("avx512_vnni", "AVX-512 VNNI"), ("avx_vnni", "AVX-VNNI"), ("amx_tile", "AMX")]
     have = [label for flag, label in names if flag in flags] or ["no vector extensions known"]
     return f"{cpu_model()}: {', '.join(have)} (kernel level {best_isa()})"
+
+
+@functools.lru_cache(maxsize=1)
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls on this CPU (AVX-512 BF16 or AMX; not on AVX2-only CPUs)."""
+    import torch
+
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -14,17 +14,21 @@ import torch
 import torch.nn.functional as F
 
 import pypto_gym
+from pypto_gym import hardware
+from pypto_gym.ops import Stats, registry
+from pypto_gym.ops.op import Impl
 from pypto_gym.patching import gemm
 
 from test_attention import _run, _tower
 
-needs_onednn_bf16 = pytest.mark.skipif(not gemm.onednn_bf16(), reason="oneDNN has no bf16 matmul on this CPU (AVX2 "
+needs_onednn_bf16 = pytest.mark.skipif(not hardware.onednn_bf16(), reason="oneDNN has no bf16 matmul on this CPU (AVX2 "
                                        "only): the epilogue never applies (the last test here)")
 
 
 def _epilogue(linear):
     """The linear installed as a site's child would be: a stand-in site holding it and its bypass counts."""
-    site = types.SimpleNamespace(module=types.SimpleNamespace(proj=linear), bypassed={})
+    site = types.SimpleNamespace(module=types.SimpleNamespace(proj=linear), bypassed={}, kind="vision.attention",
+                                 stats=Stats(site="vision.attention"), requested_backend="cpu")
     installed = gemm.install(site, ("proj",), types.SimpleNamespace(backend="cpu", quant=None))
     assert [e.name for e in installed] == ["proj"]
     return site, installed[0]
@@ -129,7 +133,7 @@ def test_autograd_and_the_switch_run_the_linears_own_forward(tiny_loaded):
 
 
 def test_nothing_is_installed_without_onednns_bf16_matmul(tiny_loaded, sample_inputs, monkeypatch):
-    monkeypatch.setattr(gemm, "onednn_bf16", lambda: False)  # as on an AVX2-only CPU
+    monkeypatch.setattr(hardware, "onednn_bf16", lambda: False)  # as on an AVX2-only CPU
     model = copy.deepcopy(tiny_loaded[0])
     report = pypto_gym.patch_model(model, backend="cpu")
     with torch.no_grad():
@@ -137,3 +141,33 @@ def test_nothing_is_installed_without_onednns_bf16_matmul(tiny_loaded, sample_in
     rows = report.to_json()["sites"]
     assert any(r["kind"] == "vision.mlp" and r["calls"] for r in rows) and not any(r["bias_epilogue"] for r in rows)
     assert not any(gemm.EpilogueLinear.SLOT in m.__dict__ for m in model.modules())
+
+
+@needs_onednn_bf16
+def test_the_epilogue_linears_are_op_calls_counted_per_backend_and_captured(tiny_loaded):
+    """Every epilogue linear call goes through the `linear` op: charged to the backend that ran it, a fallback counted
+    in its site's row with the linear named, and recorded by ShapeRecorder as its site's `linear` cases."""
+    model, vision, pixels, grid = _tower("qwen2_5_vl", tiny_loaded)
+    report = pypto_gym.patch_model(model, backend="cpu")
+    with pypto_gym.ShapeRecorder(model) as rec:
+        _run(vision, pixels, grid)
+    linears = [c for c in rec.cases() if c["op"] == "linear"]
+    assert {s for c in linears for s in c["sites"]} == {"vision.mlp", "vision.attention"}
+    assert all(c["input"]["hidden_states"]["dtype"] == "bfloat16" and "bias" in c["input"] for c in linears)
+    site = vision.blocks[0].mlp.__dict__["_pypto_gym_site"]
+    assert {linear.name: dict(linear.stats.ran) for linear in site.linears} == \
+        {name: {"cpu": linear.calls} for name, linear in zip(("gate_proj", "up_proj", "down_proj"), site.linears)}
+    impls = pypto_gym.ops.OPS["linear"].impls
+    real = impls["cpu"]
+    impls["cpu"] = Impl("cpu", real.fn, lambda *a: "broken")
+    registry.availability_changed()  # resolved calls are resolved again (here, and after the real one is back)
+    try:
+        with pypto_gym.config.scoped(strict=False), torch.no_grad():
+            vision.blocks[0].mlp.gate_proj(torch.ones(2, vision.blocks[0].mlp.gate_proj.in_features,
+                                                      dtype=torch.bfloat16))
+    finally:
+        impls["cpu"] = real
+        registry.availability_changed()
+    row = next(r for r in report.to_json()["sites"] if r["path"] == "model.visual.blocks.0.mlp")
+    assert row["fallbacks"] == {"gate_proj (linear): cpu: broken": 1}
+    pypto_gym.unpatch_model(model)

@@ -90,8 +90,17 @@ class Site(SwappedForward):
         stats = self.stats
         return {**_row(self.path, self.paths, self.kind, self.op, "patched", ""), **self.details(),
                 "backend": stats.backend or self.requested_backend, "requested_backend": self.requested_backend,
-                "calls": stats.calls, "ran_on": dict(stats.ran), "fallbacks": dict(stats.fallbacks),
+                "calls": stats.calls, "ran_on": dict(stats.ran), "fallbacks": self.fallbacks(),
                 "bias_epilogue": {linear.name: linear.calls for linear in self.linears}}
+
+    def fallbacks(self) -> dict:
+        """The site's fallbacks by reason, its epilogue linears' among them (named by the linear)."""
+        out = dict(self.stats.fallbacks)
+        for linear in self.linears:
+            for reason, n in linear.stats.fallbacks.items():
+                key = f"{linear.name} (linear): {reason}"
+                out[key] = out.get(key, 0) + n
+        return out
 
 
 def _row(path, paths, kind, op, status, reason) -> dict:
