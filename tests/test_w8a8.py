@@ -741,12 +741,12 @@ def test_onednn_capped_below_vnni_counts_as_no_int8_dot_products(monkeypatch, ca
 
 def test_a_cpu_without_int8_dot_products_or_avx2_is_told_once_at_patch_time(tiny_loaded, monkeypatch):
     from pypto_gym import hardware
-    from pypto_gym.quant import plan
+    from pypto_gym.quant import install
 
     monkeypatch.setattr(hardware, "native_int8", lambda: False)
     monkeypatch.setattr(quant_matmul, "int_mm_is_exact", lambda: False)
     monkeypatch.setattr(hardware, "best_isa", lambda: "generic")
-    monkeypatch.setattr(plan, "_said", [])
+    monkeypatch.setattr(install, "_said", [])
     with pytest.warns(RuntimeWarning, match="neither int8 dot-product instructions"):
         report = patch_model(copy.deepcopy(tiny_loaded[0]), backend="cpu", quant="w8a8")
     assert "note: this CPU" in str(report) and report.to_json()["w8a8"]["speed_note"]

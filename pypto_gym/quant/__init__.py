@@ -6,7 +6,8 @@
 per-row scales to the linears (activations.py), whose forwards run `ops.quant_matmul` on int8
 copies of their weights (linear.py); each patched SwiGLU MLP hands its down_proj int8 rows the same
 way (mlp.py), and the linears no fused op feeds quantise their input themselves. plan.py decides
-which producers and linears; calibration.py makes and checks the smooth scales; fold.py says where
+which producers and linears (a Plan value, checked before anything changes) and install.py applies it;
+calibration.py makes and checks the smooth scales; fold.py says where
 each scale goes in a checkpoint, which export.py writes (compressed-tensors, msModelSlim) and loads.
 Unpatching restores the float model exactly: the float weights are never modified (unless released).
 `quant="w8a8_static"` is msModelSlim's W8A8: the same producers and linears, static per-tensor activation
@@ -15,10 +16,12 @@ scales and offsets from the calibration file's ranges (plan.py).
 import functools
 
 from ..patching import register_quant_mode
+from . import install
 from .api import W8A8, quantize
-from .plan import QuantPlan, install
+from .install import QuantPlan, apply
+from .plan import Plan, decide
 
-register_quant_mode("w8a8", install)
-register_quant_mode("w8a8_static", functools.partial(install, scheme="static"))
+register_quant_mode("w8a8", install.install)
+register_quant_mode("w8a8_static", functools.partial(install.install, scheme="static"))
 
-__all__ = ["W8A8", "quantize", "QuantPlan", "install"]
+__all__ = ["W8A8", "quantize", "Plan", "decide", "QuantPlan", "apply"]
