@@ -172,6 +172,27 @@ def test_nan_and_inf_propagate_like_the_reference(kernel, dtype):
     assert torch.equal(torch.isnan(s), torch.isnan(gs)) and torch.equal(q[:2], gq[:2])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D", [1, 7, 16, 33, 1280, 2049])
+def test_layer_norm_is_within_two_ulps_and_a_nan_or_inf_makes_its_row_nan(kernel, dtype, D):
+    """Rows far from zero mean (the two-pass variance), every vector-tail width; a NaN or an inf makes the whole row
+    NaN as torch's does (its mean or variance is NaN), and leaves the other rows alone."""
+    gen = torch.Generator().manual_seed(D)
+    x = (torch.randn(5, D, generator=gen) * 3 + 40).to(dtype)
+    g, b = torch.randn(D, generator=gen).to(dtype), torch.randn(D, generator=gen).to(dtype)
+    x[0, D // 2], x[1, D - 1] = float("nan"), float("inf")
+    y, golden = run("layer_norm", kernel, x, g, b, 1e-6), GOLDEN["layer_norm"](x, g, b, 1e-6)
+    assert torch.equal(torch.isnan(y), torch.isnan(golden)) and bool(torch.isnan(y[:2]).all())
+    # both compute in fp32 in their own order: the error is relative to the terms added (n * g and b, not their sum,
+    # which may cancel), and an fp32 rounding of the mean counts |mean| / std times over
+    xd = x[2:].double()
+    mean, std = xd.mean(-1, keepdim=True), torch.sqrt(xd.var(-1, unbiased=False, keepdim=True) + 1e-6)
+    gd = g.double().abs()
+    terms = ((xd - mean) / std).abs() * gd + b.double().abs() + 4 * torch.finfo(torch.float32).eps / \
+        torch.finfo(dtype).eps * gd * (mean.abs() / std)
+    assert bool(((y[2:].double() - golden[2:].double()).abs() <= 2 * torch.finfo(dtype).eps * terms + 1e-30).all())
+
+
 def test_sum_of_squares_is_more_accurate_than_a_float_loop(kernel):
     """One large value then many small ones: a float running sum loses every small square (1 < ulp/2
     of 1e8). The blocked fp32-then-fp64 sum must be at least as accurate as torch's own."""
@@ -329,6 +350,12 @@ def test_every_entry_point_checks_what_it_indexes_with(kernel):
         ext.rope(qh, qh, cos[:, :2].clone(), cos, geometry, [], 0, torch.float32, torch.float32, None, None)
     with pytest.raises(RuntimeError, match="reaches element"):
         ext.rope(qh[:, :1].clone(), qh, cos, cos, geometry, [], 0, torch.float32, torch.float32, None, None)
+    for bad, name in ((torch.ones(63, dtype=bf), "gamma has 63 elements"), (torch.ones(64, dtype=torch.int32),
+                                                                              "gamma has dtype")):
+        with pytest.raises(RuntimeError, match=name):
+            ext.layer_norm(x1, bad, None, 1e-6)
+    with pytest.raises(RuntimeError, match="beta has 65 elements"):
+        ext.layer_norm(x1, None, torch.ones(65, dtype=bf), 1e-6)
 
 
 # Shapes whose rows, blocks or windows x heads split into several at::parallel_for chunks at these thread counts
