@@ -13,11 +13,13 @@ import importlib
 import pkgutil
 
 
-def import_package(package: str, path) -> None:
-    """Import every module of a package, `backend` first (the Backend the others' kernels run on), then by name."""
+def import_package(package: str, path, lazy: tuple = ()) -> None:
+    """Import every module of a package, `backend` first (the Backend the others' kernels run on), then by name;
+    not the `lazy` ones (helpers that import their backend's package, imported when a kernel is first built)."""
     names = sorted((m.name for m in pkgutil.iter_modules(path)), key=lambda n: (n != "backend", n))
     for name in names:
-        importlib.import_module(f"{package}.{name}")
+        if name not in lazy:
+            importlib.import_module(f"{package}.{name}")
 
 
 import_package(__name__, __path__)
