@@ -93,6 +93,9 @@ def test_the_vision_tower_runs_every_window_in_one_call(build, backend, tiny_loa
     assert len(rows) == blocks and all(r["status"] == "patched" for r in rows), rows
     for r in rows:  # one call per block forward: the windows of every image in one op call
         assert r["calls"] == 1 and r["ran_on"] == {backend: 1} and not r["fusion_bypassed"], r
+    layer_norms = [r for r in report.to_json()["sites"] if r["op"] == "layer_norm"]  # Qwen2-VL's vision LayerNorms
+    assert len(layer_norms) == (0 if build == "qwen2_5_vl" else 2 * blocks + 1)
+    assert all(r["status"] == "patched" and r["ran_on"] == {backend: 1} for r in layer_norms), layer_norms
     assert len(got) == len(want)
     for g, w in zip(got, want):
         if backend == "torch":

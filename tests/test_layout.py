@@ -9,6 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "pypto_gym"
 OP_FOLDERS = ("ops/defs", "kernels/cpu", "kernels/npu", "kernels/pypto", "bench/specs")  # one module per op
+RULE_FOLDER = "patching/rules"  # one module per kind of site, each registering itself: the folder is what is named
 
 
 def modules() -> dict:
@@ -101,8 +102,21 @@ def test_the_reference_layout_names_every_module():
             if folder not in block and f"{rel.parent.name}/" not in block:
                 missing.append(folder)
             continue
-        if folder in OP_FOLDERS and path.stem in defs:
+        if folder in OP_FOLDERS and path.stem in defs or folder == RULE_FOLDER:
             continue
         if not re.search(rf"\b{re.escape(path.stem)}\b", block):
             missing.append(str(rel))
     assert not missing, f"docs/reference.md's layout does not name: {missing}"
+
+
+def test_loading_every_backend_imports_neither_pypto_nor_torch_npu():
+    """The registry loads every backend's kernel modules at import: none may import PyPTO (an extra a vLLM venv or a
+    plain install does not have) or torch_npu (which breaks `import torch` without CANN); they are imported when a
+    kernel is first built or the first NPU call is made."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pypto_gym.ops, pypto_gym.patching, pypto_gym.quant\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pypto', 'torch_npu')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -139,16 +139,28 @@ def test_site_globs_select_by_kind_and_path(model32):
             assert st == "skipped" and "not selected by sites=" in reason
 
 
-def test_qwen2_vl_layernorm_vision_untouched_text_patched():
+def test_qwen2_vl_vision_layernorms_are_layer_norm_sites_and_text_rmsnorms_norm_sites():
+    """Qwen2-VL's vision tower normalises with nn.LayerNorm (with a bias): those are layer_norm sites, found by
+    structure and an exact probe, not skipped rms_norm candidates; the text RMSNorms are norm sites; a LayerNorm
+    outside the vision tower is neither rule's; outputs equal unpatched on torch."""
     model = tiny_qwen2_vl()
+    vision_ln = {n for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)}
+    model.model.language_model.extra_ln = torch.nn.LayerNorm(8)  # not a site: outside the vision tower
+    ids = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        expected = model(ids).logits
     report = pypto_gym.patch_model(model, backend="torch").to_json()
-    by_status = {}
-    for s in norm_rows(report):
-        by_status.setdefault(s["status"], []).append(s)
-    assert {s["path"] for s in by_status["patched"]} == rms_norm_modules(model)
-    vision_ln = [n for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)]
-    assert vision_ln and all("forward" not in model.get_submodule(n).__dict__ for n in vision_ln)
-    assert all("differs from the RMSNorm formula" in s["reason"] for s in by_status["skipped"])
+    rows = report["sites"]
+    assert {s["path"] for s in norm_rows(report) if s["status"] == "patched"} == rms_norm_modules(model)
+    assert not [s for s in norm_rows(report) if s["status"] != "patched"]
+    ln = {s["path"]: s for s in rows if s["op"] == "layer_norm"}
+    assert set(ln) == vision_ln and len(vision_ln) >= 3 and all(s["status"] == "patched" for s in ln.values())
+    assert {s["kind"] for s in ln.values()} == {"vision.norm1", "vision.norm2", "vision.merger.ln_q"}
+    assert "layer norm sites patched" in str(pypto_gym.patch_report(model))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+    pypto_gym.unpatch_model(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
 
 
 def test_qwen3_q_k_norms_on_4d_inputs_and_identical_generate():

@@ -1,10 +1,10 @@
 """The RMSNorm rule: every module that computes HF's RMSNorm becomes a `rms_norm` site.
 
-A module is a candidate when it has a 1-D `weight` and an eps attribute (`variance_epsilon` or
-`eps`). A semantic probe then runs the module's own forward on a small random input, on the
+A module is a candidate when it has a 1-D `weight`, no bias of that width (an RMSNorm has none: a
+LayerNorm's is the layer_norm rule's) and an eps attribute (`variance_epsilon` or `eps`). A semantic probe then runs the module's own forward on a small random input, on the
 module's own device with its own weight (nothing moved or copied), and compares it with the `hf`
 RMSNorm formula: remote-code norms with other class names pass, and look-alikes with other math
-(Gemma's `1 + weight`, LayerNorm) are skipped with the reason. Modules on the meta device cannot be
+(Gemma's `1 + weight`, a LayerNorm without a bias) are skipped with the reason. Modules on the meta device cannot be
 run, so they are classified by class name and attributes.
 
 The site keeps the original Parameter (no copy; state_dict keys and `save_pretrained` output
@@ -165,9 +165,11 @@ class NormRule(Rule):
         return norm_kind(path)
 
     def classify(self, path, module, options=None):
-        weight = getattr(module, "weight", None)
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
         eps = eps_of(module)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
+            return None
+        if isinstance(bias, torch.Tensor) and bias.shape == weight.shape:  # a LayerNorm (layer_norm.py's, in vision)
             return None
         cand = Candidate(self, path, module, norm_kind(path), info={"eps": eps, "cast_mode": "hf"})
         if module._parameters.get("weight") is not weight:
