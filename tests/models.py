@@ -21,6 +21,46 @@ def tiny_qwen2_vl():
     return Qwen2VLForConditionalGeneration(cfg).eval()
 
 
+def tiny_qwen3_vl():
+    """Qwen3-VL: LayerNorms with a bias and a GELU MLP in the vision tower, DeepStack mergers feeding the first
+    decoder layers, interleaved MRoPE (sections [2, 3, 3] of a head_dim of 16), Qwen3's q/k norms."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    cfg = Qwen3VLConfig(
+        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
+        image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration(cfg).to(torch.bfloat16).eval()
+    randomise_norm_weights(model)
+    return model
+
+
+def qwen3_vl_inputs(model, grids=((1, 4, 6),), seed=1) -> dict:
+    """A prompt around one image per grid (t, h, w in patches), as the processor lays it out: each image's merged
+    tokens between vision_start and vision_end, its patch rows in pixel_values."""
+    cfg = model.config
+    merge = cfg.vision_config.spatial_merge_size ** 2
+    width = cfg.vision_config.in_channels * cfg.vision_config.temporal_patch_size * cfg.vision_config.patch_size ** 2
+    ids, rows = [1, 2], 0
+    for t, h, w in grids:
+        ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * (t * h * w // merge) + [cfg.vision_end_token_id]
+        rows += t * h * w
+    ids = torch.tensor([ids + [5, 6, 7]])
+    pixels = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
+                  image_grid_thw=torch.tensor([list(g) for g in grids]))
+    import inspect
+
+    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:  # transformers 5.x asks for it
+        inputs["mm_token_type_ids"] = (ids == cfg.image_token_id).long()
+    return inputs
+
+
 def tiny_qwen3():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
