@@ -19,18 +19,8 @@ import torch.nn.functional as F
 
 from ... import config
 from ...ops.defs.swiglu import SWIGLU
-from ..site import (
-    GEMM_PROBE_TOL,
-    Candidate,
-    Rule,
-    Site,
-    gemm_probe_diff,
-    has_hooks,
-    probe_failed,
-    register,
-    torch_hooks_set_aside,
-    weight_details,
-)
+from ..site import (GEMM_PROBE_TOL, Candidate, Rule, Site, gemm_probe_diff, has_hooks, probe_failed, register,
+                    torch_hooks_set_aside, weight_details)
 
 _STATE = config.STATE
 

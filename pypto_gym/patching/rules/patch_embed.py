@@ -18,18 +18,8 @@ import torch
 from ... import config
 from ...ops import registry
 from ...ops.defs.patch_embed import PATCH_EMBED
-from ..site import (
-    GEMM_PROBE_TOL,
-    Candidate,
-    Rule,
-    Site,
-    gemm_probe_diff,
-    has_hooks,
-    probe_failed,
-    register,
-    torch_hooks_set_aside,
-    weight_details,
-)
+from ..site import (GEMM_PROBE_TOL, Candidate, Rule, Site, gemm_probe_diff, has_hooks, probe_failed, register,
+                    torch_hooks_set_aside, weight_details)
 
 _STATE = config.STATE
 
