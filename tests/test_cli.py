@@ -223,6 +223,7 @@ def test_ctrl_c_in_the_first_seconds_of_export_says_nothing_was_written(tmp_path
     every moment tried."""
     import signal
 
+    tried = 0
     for i, seconds in enumerate((0.2, 0.4, 0.7, 1.0, 1.5, 2.5)):
         out = tmp_path / f"out{i}"
         proc = subprocess.Popen([sys.executable, "-m", "pypto_gym.cli", "export", str(out)], stdout=subprocess.PIPE,
@@ -234,8 +235,12 @@ def test_ctrl_c_in_the_first_seconds_of_export_says_nothing_was_written(tmp_path
                  and "Writing model shards" not in line]
         if proc.returncode == 0:  # finished before the signal (a fast machine): nothing to say about Ctrl-C
             continue
+        if "KeyboardInterrupt" in err and "in main" not in err:  # Python still starting, before pypto-gym's main
+            continue  # ran (a loaded machine, at 0.2 s): the interpreter's own handler, which no program can replace
+        tried += 1
         assert proc.returncode == 130 and lines == ["pypto-gym export: interrupted; nothing written"], (seconds, err)
         assert not out.exists()
+    assert tried >= 3  # most moments reached the program
 
 
 def test_the_parser_imports_neither_torch_nor_transformers():
