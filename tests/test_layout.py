@@ -78,6 +78,9 @@ def test_imports_run_one_way():
     assert not _imports_from("patching", "quant")
     assert not _imports_from("kernels", "patching")
     assert not _imports_from("kernels", "bench")
+    assert not _imports_from("patching", "kernels")  # patching and kernels are peers above ops (SPEC 1)
+    assert not [(m, d) for m, deps in GRAPH.items() if m.startswith("pypto_gym.models")  # the families are data
+                for d in deps if not d.startswith("pypto_gym.models")]
 
 
 def test_an_op_definition_is_semantics_only():
