@@ -22,10 +22,10 @@ import torch
 from torch.nn.modules import module as _nn_module
 
 from .. import config
+from ..kinds import kind
 from ..ops import Stats, dtype_name
 
 SLOT = "_pypto_gym_site"
-VISION_PARTS = {"visual", "vision", "vision_tower", "vision_model", "vision_encoder"}
 
 
 class SwappedForward:
@@ -166,7 +166,7 @@ class Rule:
         raise NotImplementedError
 
     def kind_of(self, path: str, module) -> str:
-        return f"{part(path)}.{self.kind_suffix}"
+        return kind(path, self.kind_suffix)
 
     def install(self, cand: Candidate, options) -> Site:
         site = self.site_class(cand, options)
@@ -213,11 +213,6 @@ def register(rule: Rule) -> Rule:
 def site_label(op_name: str) -> str:
     """How the report's summary line names the sites of an op: the label its rule gives, else the op's name."""
     return next((r.labels[op_name] for r in RULES if op_name in r.labels), op_name)
-
-
-def part(path: str) -> str:
-    """`vision` or `text`: which tower a module path is in, for either transformers layout."""
-    return "vision" if VISION_PARTS & set(path.split(".")) else "text"
 
 
 def selected(cand: Candidate, patterns) -> bool:

@@ -19,7 +19,8 @@ import torch
 from .. import config, ops
 from ..ops import Stats
 from ..ops.quantize import quantize_rows
-from ..patching.site import SwappedForward, part
+from ..kinds import kind
+from ..patching.site import SwappedForward
 from . import activations
 
 _SLOT = "_pypto_gym_quant_linear"
@@ -67,7 +68,7 @@ def linear_kind(path: str) -> str:
     """`text.q_proj`, `vision.qkv`, `text.lm_head`, `vision.mlp.0`: where an int8 linear is, for reports and cases."""
     parts = path.split(".")
     name = ".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1]
-    return f"{part(path)}.{name}"
+    return kind(path, name)
 
 
 class QuantLinear(SwappedForward):

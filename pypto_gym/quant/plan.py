@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kinds import part
 from ..patching.rules.mlp import MlpSite
 from ..patching.rules.norm import NormSite
-from ..patching.site import part
 from . import calibration
 from .linear import STORED_STATIC, linear_kind
 from .mlp import QuantMlp

@@ -43,7 +43,7 @@ class Group:
 def groups_of(model, scheme: str, calib_file) -> list[Group]:
     """The int8 groups of `model` in `scheme` with this calibration (a patch learns them, then is undone)."""
     from ..patching import patched
-    from ..patching.site import part
+    from ..kinds import part
 
     mode = "w8a8_static" if scheme == "static" else "w8a8"
     with patched(model, backend="cpu", quant=mode, calibration=calib_file) as report:

@@ -13,7 +13,8 @@ import torch
 
 from ... import config
 from ...ops.defs.layer_norm import LAYER_NORM
-from ..site import Candidate, Rule, Site, part, probe_failed, register, weight_details
+from ...kinds import part
+from ..site import Candidate, Rule, Site, probe_failed, register, weight_details
 
 _STATE = config.STATE
 

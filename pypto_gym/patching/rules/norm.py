@@ -19,7 +19,8 @@ import torch
 
 from ... import config
 from ...ops.defs.rms_norm import ADD_RMS_NORM, RMS_NORM
-from ..site import Candidate, Rule, Site, has_hooks, part, probe_failed, register, site_of, weight_details
+from ...kinds import part
+from ..site import Candidate, Rule, Site, has_hooks, probe_failed, register, site_of, weight_details
 
 TEXT_KINDS = {"input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"}
 _PROBE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

@@ -32,7 +32,8 @@ from ... import config
 from ...ops import ArgTypeError, ArgValueError, dtype_name
 from ...ops.defs.rope import QK_NORM_ROPE, ROPE
 from ..rewrite import ReplaceNode, RewrittenForward, name_is, rewritten, self_attr_call
-from ..site import Candidate, Rule, Site, has_hooks, part, register
+from ...kinds import part
+from ..site import Candidate, Rule, Site, has_hooks, register
 from .norm import norm_site
 
 _STATE = config.STATE

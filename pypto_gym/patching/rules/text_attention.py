@@ -25,7 +25,8 @@ from ... import config
 from ...ops import ArgTypeError, ArgValueError, dispatch, dtype_name
 from ...ops.defs.decoder_attention import DECODER_ATTENTION
 from ..rewrite import CHECK_REL_TOL
-from ..site import Candidate, Rule, Site, part, register
+from ...kinds import part
+from ..site import Candidate, Rule, Site, register
 
 IMPLEMENTATION = "pypto_gym"
 SLOT = "_pypto_gym_attention_site"  # the module's own forward may carry another site (text.rope) in site.SLOT
