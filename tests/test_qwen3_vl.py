@@ -24,11 +24,20 @@ def _run(model, inputs):
         return model.generate(**inputs, max_new_tokens=6, do_sample=False), model(**inputs).logits
 
 
+def _margins(model, inputs) -> list:
+    """The unpatched greedy run's top-1 minus top-2 logit at each step (a random bf16 model has near-ties)."""
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=6, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    return [float((lambda t: t[0] - t[1])(s[0].float().topk(2).values)) for s in out.scores]
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("grids", [((1, 4, 6),), ((1, 4, 6), (1, 6, 4), (1, 2, 2))], ids=["one image", "three"])
 def test_patched_qwen3_vl_generates_as_unpatched(model, backend, grids):
     inputs = qwen3_vl_inputs(model, grids)
     want_tokens, want_logits = _run(model, inputs)
+    margins = _margins(model, inputs)
     report = pypto_gym.patch_model(model, backend=backend, strict=True)
     try:
         tokens, logits = _run(model, inputs)
@@ -39,10 +48,13 @@ def test_patched_qwen3_vl_generates_as_unpatched(model, backend, grids):
         kinds = {r["kind"] for r in rows if r["op"] == "layer_norm"}
         assert kinds == {"vision.norm1", "vision.norm2", "vision.merger.norm", "vision.deepstack_merger.norm"}
         assert report.to_json()["summary"]["fused_layers"] == model.config.text_config.num_hidden_layers
-        assert torch.equal(tokens, want_tokens)
         if backend == "torch":  # the goldens are HF's own functions: bit for bit, DeepStack adds included
-            assert torch.equal(logits, want_logits)
-        else:
+            assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+        else:  # the same tokens, or apart first where the unpatched run had a near-tie (the cpu kernels round within
+            # an ulp of the goldens, in another order on every CPU: an AVX2 one emulates bf16)
+            new, ref = tokens[0, -6:].tolist(), want_tokens[0, -6:].tolist()
+            first = next((i for i, (a, b) in enumerate(zip(new, ref)) if a != b), None)
+            assert first is None or margins[first] < 0.05, (new, ref, margins)
             cos = torch.nn.functional.cosine_similarity(logits.float().flatten(1), want_logits.float().flatten(1))
             assert float(cos.min()) > 0.999
     finally:
