@@ -150,6 +150,16 @@ def test_documented_limits(npu, monkeypatch, op, shape, dtype, kwargs, reason):
     assert (got is None) if reason is None else (reason in got), got
 
 
+def test_layer_norm_is_declined_where_aclnnlayernorm_is_not_documented(npu, monkeypatch):
+    """layer_norm maps onto F.layer_norm on the NPU (aclnnLayerNorm, registered by torch_npu): its page lists Atlas A2/A3
+    and the training series, not the Atlas inference series (Ascend310P), which the mapping declines."""
+    x, g = torch.zeros(2, 64, dtype=torch.float16), torch.ones(64, dtype=torch.float16)
+    assert npu.supports("layer_norm", x, g, g, 1e-6) is None
+    monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend310P3")
+    inference = Npu(NpuBackend(module_name="torch_npu_standin"))
+    assert "not supported on Atlas inference series" in inference.supports("layer_norm", x, g, g, 1e-6)
+
+
 @pytest.mark.parametrize("name,series", [("Ascend910B2", "a2_a3"), ("Ascend910_9391", "a2_a3"),
                                          ("Ascend310P3", "inference"), ("Ascend910A", "training")])
 def test_chip_series(name, series):
