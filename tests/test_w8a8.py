@@ -363,6 +363,8 @@ def test_quantize_is_the_w8a8_pass_over_a_patched_model(tiny_loaded, sample_inpu
         W8A8("w4a4")
     with pytest.raises(TypeError, match="config: got str"):
         quantize(model, "w8a8")
+    with pytest.raises(TypeError, match="model: got int; expected a torch.nn.Module"):
+        quantize(5, W8A8(scheme))
     patch_model(model, backend="cpu")
     with pytest.raises(ValueError, match="float_linears"):  # refused before the float patch is taken off
         quantize(model, W8A8(scheme, float_linears="!text.o_proj"))

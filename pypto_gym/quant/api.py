@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..patching import patch_model, unpatch_model
 from ..patching.api import patch_options
 from ..patching.options import PatchConfig
@@ -50,6 +52,8 @@ class W8A8:
 
 def quantize(model, config: W8A8):
     """Apply `config` to `model` (patched or not; see the module docstring); returns the live patch report."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: got {type(model).__name__}; expected a torch.nn.Module")
     if not isinstance(config, W8A8):
         raise TypeError(f"config: got {type(config).__name__}; expected a pypto_gym.quant.W8A8")
     kept = patch_options(model)
