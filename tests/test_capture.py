@@ -253,7 +253,7 @@ def test_committed_case_files_exist():
     names = {p.name for p in CASE_FILES}
     from pypto_gym.models import tiny_families
 
-    assert {f"{f.TINY_DIR.name}.json" for f in tiny_families()} | {"gutenocr_3b.json", "gutenocr_3b_w8a8.json"} <= names
+    assert {f"{f.tiny_dir.name}.json" for f in tiny_families()} | {"gutenocr_3b.json", "gutenocr_3b_w8a8.json"} <= names
     guten = load_cases(ROOT / "tests" / "cases" / "gutenocr_3b.json")
     widths = {}
     for c in guten:

@@ -43,7 +43,7 @@ def loaded():
 
     def load(name, dtype):
         if (name, dtype) not in cache:
-            cache[name, dtype] = models.FAMILIES[name].load(models.FAMILIES[name].TINY_DIR, dtype)
+            cache[name, dtype] = models.FAMILIES[name].load(models.FAMILIES[name].tiny_dir, dtype)
         return cache[name, dtype]
     return load
 

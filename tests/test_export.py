@@ -21,9 +21,9 @@ from pypto_gym.quant.linear import quant_linear_of
 
 
 def _inputs(processor, family):
-    if family.MULTIMODAL:
+    if family.multimodal:
         return processor(["Read the text in the image."], [open_image(SAMPLE_IMAGE)], None)
-    return processor(list(family.CALIBRATION_PROMPTS[:2]), None, None)
+    return processor(list(family.calibration_prompts[:2]), None, None)
 
 
 def _logits(model, batch):
@@ -115,7 +115,7 @@ def test_a_checkpoint_with_the_legacy_tensor_names_loads_the_same(exported, tmp_
 
 def test_a_text_family_round_trips(tmp_path):
     family = models.FAMILIES["qwen3"]
-    model, processor = family.load(family.TINY_DIR, "float32", "cpu")
+    model, processor = family.load(family.tiny_dir, "float32", "cpu")
     patch_model(model, backend="cpu", quant="w8a8")
     ours = _logits(model, _inputs(processor, family))
     export.save(model, tmp_path / "q3", processor)
@@ -128,14 +128,14 @@ def test_an_int8_lm_head_is_written_only_on_request_and_says_who_loads_it(tmp_pa
     """Default: lm_head float, in `ignore` (vLLM's ParallelLMHead is never quantised). --int8-lm-head on the
     untied tiny Llama writes its int8 weight and scale, says which consumers load it, and loads back int8."""
     out = tmp_path / "default"
-    assert cli_main(["export", "--model", str(models.FAMILIES["llama"].TINY_DIR), "--format", fmt, str(out)]) == 0
+    assert cli_main(["export", "--model", str(models.FAMILIES["llama"].tiny_dir), "--format", fmt, str(out)]) == 0
     assert "lm_head float (in the ignore list" in capsys.readouterr().out
     if fmt == "compressed-tensors":
         assert "lm_head" in json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
     else:
         assert json.loads((out / export.MSMODELSLIM_JSON).read_text())["lm_head.weight"] == "FLOAT"
     out = tmp_path / "int8"
-    assert cli_main(["export", "--model", str(models.FAMILIES["llama"].TINY_DIR), "--format", fmt, "--int8-lm-head",
+    assert cli_main(["export", "--model", str(models.FAMILIES["llama"].tiny_dir), "--format", fmt, "--int8-lm-head",
                      str(out)]) == 0
     said = capsys.readouterr().out
     assert f"lm_head int8 (--int8-lm-head: {export.LM_HEAD_CONSUMERS[fmt]})" in said
@@ -156,7 +156,7 @@ def test_an_interrupted_or_failed_export_leaves_nothing(tmp_path, monkeypatch):
     from pypto_gym.models.common import TextProcessor
 
     family = models.FAMILIES["qwen3"]
-    model, processor = family.load(family.TINY_DIR, "float32", "cpu")
+    model, processor = family.load(family.tiny_dir, "float32", "cpu")
     patch_model(model, backend="cpu", quant="w8a8")
     for error in (KeyboardInterrupt(), OSError(errno.ENOSPC, "No space left on device"), RuntimeError("disk")):
         def fail(self, out, error=error):
@@ -184,7 +184,7 @@ def test_an_export_into_a_symlink_goes_into_the_directory_it_names(tmp_path):
     folder over the link (issue 45, item 8): the export now goes into the directory the link names; a link to
     nothing is refused before any work."""
     family = models.FAMILIES["qwen3"]
-    model, processor = family.load(family.TINY_DIR, "float32", "cpu")
+    model, processor = family.load(family.tiny_dir, "float32", "cpu")
     patch_model(model, backend="cpu", quant="w8a8")
     (tmp_path / "target").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "target")
@@ -571,7 +571,7 @@ def qwen3_exports(tmp_path_factory):
     """The tiny Qwen3's W8A8 export in both formats (default options)."""
     root = tmp_path_factory.mktemp("q3")
     for fmt in export.FORMATS:
-        assert cli_main(["export", "--model", str(models.FAMILIES["qwen3"].TINY_DIR), "--format", fmt,
+        assert cli_main(["export", "--model", str(models.FAMILIES["qwen3"].tiny_dir), "--format", fmt,
                          str(root / fmt)]) == 0
     return root
 

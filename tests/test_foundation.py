@@ -86,16 +86,16 @@ def test_every_subpackage_is_installed_by_a_normal_install():
     assert found <= listed, sorted(found - listed)
 
 
-@pytest.mark.parametrize("name", [f.NAME for f in models.tiny_families()])
+@pytest.mark.parametrize("name", [f.name for f in models.tiny_families()])
 def test_every_shipped_tiny_checkpoint_names_its_architecture(name, tmp_path):
     """vLLM reads `architectures` to pick the model class (without it a checkpoint is served as a pooling model):
     every shipped config names the class transformers builds from it, and make-tiny-model writes exactly the
     shipped config and weights."""
     family = models.FAMILIES[name]
-    shipped = json.loads((family.TINY_DIR / "config.json").read_text())
-    model, _ = family.load(family.TINY_DIR, "bfloat16")
+    shipped = json.loads((family.tiny_dir / "config.json").read_text())
+    model, _ = family.load(family.tiny_dir, "bfloat16")
     assert shipped.get("architectures") == [type(model).__name__]
-    if family.MULTIMODAL:
+    if family.multimodal:
         return  # its builder also renders the sample images: the text families show the rule
     import transformers
 
@@ -104,7 +104,7 @@ def test_every_shipped_tiny_checkpoint_names_its_architecture(name, tmp_path):
                     f"{transformers.__version__} (its config.json spells fields otherwise)")
     assert cli_main(["make-tiny-model", "--family", name, "--out", str(tmp_path / "tiny")]) == 0
     for f in ("config.json", "model.safetensors"):
-        assert (tmp_path / "tiny" / f).read_bytes() == (family.TINY_DIR / f).read_bytes(), f
+        assert (tmp_path / "tiny" / f).read_bytes() == (family.tiny_dir / f).read_bytes(), f
 
 
 def test_make_tiny_model_refuses_a_non_empty_out(tmp_path, capsys):

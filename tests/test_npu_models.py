@@ -57,7 +57,7 @@ def calibrations(tmp_path_factory):
     for name in FAMILIES:
         family = models.FAMILIES[name]
         made[name] = folder / f"{name}.safetensors"
-        assert cli_main(["calibrate", "--model", str(family.TINY_DIR), "--max-new-tokens", "1", "--out",
+        assert cli_main(["calibrate", "--model", str(family.tiny_dir), "--max-new-tokens", "1", "--out",
                          str(made[name])]) == 0
     return made
 
@@ -87,14 +87,14 @@ def assert_same_greedy_run(want, got):
 
 
 def _inputs(family, processor, model):
-    if family.MULTIMODAL:
+    if family.multimodal:
         # 308 x 196 pixels: 6 windows of unequal sizes in the window blocks, the whole image in the full ones
         from PIL import Image
 
         gen = torch.Generator().manual_seed(2)
         image = Image.fromarray((torch.rand(196, 308, 3, generator=gen) * 255).to(torch.uint8).numpy())
         return processor(["Read the text in the image."], [image], model=model)
-    return processor([family.CALIBRATION_PROMPTS[0]], None, None)
+    return processor([family.calibration_prompts[0]], None, None)
 
 
 def _every_site_ran_on_npu(report):
@@ -112,7 +112,7 @@ def _every_site_ran_on_npu(report):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_patched_model_runs_on_the_npu_mapping_as_on_torch(npu_on_cpu, calibrations, name, dtype, quant):
     family = models.FAMILIES[name]
-    model, processor = family.load(family.TINY_DIR, dtype, "cpu")
+    model, processor = family.load(family.tiny_dir, dtype, "cpu")
     batch = _inputs(family, processor, model)
     options = {"cast_mode": "fp32", "strict": True}
     if quant:
@@ -130,7 +130,7 @@ def test_a_patched_model_runs_on_the_npu_mapping_as_on_torch(npu_on_cpu, calibra
             [(r["path"], r["ran_on"]) for r in linears if r["became"] == "w8a8" and set(r["ran_on"]) - {"npu"}]
         assert "npu_quant_matmul" in npu_on_cpu
         assert ("npu_add_rms_norm_quant" if quant == "w8a8_static" else "npu_add_rms_norm_dynamic_quant") in npu_on_cpu
-    if family.MULTIMODAL:
+    if family.multimodal:
         assert "npu_fused_infer_attention_score" in npu_on_cpu  # the vision attention, TND
 
 
@@ -172,9 +172,9 @@ def test_a_decode_step_on_the_npu_mapping_reads_nothing_back_to_the_host(npu_on_
     from pypto_gym.ops import OPS
 
     family = models.FAMILIES[name]
-    model, processor = family.load(family.TINY_DIR, "bfloat16", "cpu")
+    model, processor = family.load(family.tiny_dir, "bfloat16", "cpu")
     pypto_gym.patch_model(model, backend="npu", cast_mode="fp32", strict=True, quant=quant)
-    batch = processor([family.CALIBRATION_PROMPTS[0]], None, None)
+    batch = processor([family.calibration_prompts[0]], None, None)
     with torch.no_grad():
         prefill = model(**batch, use_cache=True)
     state = {"mapping": 0, "device": 0, "reads": []}

@@ -23,8 +23,8 @@ MAX_TOKENS = 8
 
 
 def _prompts(family):
-    processor = family.load(family.TINY_DIR, "bfloat16")[1]
-    return [processor([p], None, None)["input_ids"][0].tolist() for p in family.CALIBRATION_PROMPTS[:3]]
+    processor = family.load(family.tiny_dir, "bfloat16")[1]
+    return [processor([p], None, None)["input_ids"][0].tolist() for p in family.calibration_prompts[:3]]
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
@@ -34,10 +34,10 @@ def calibrated_export(request, tmp_path_factory):
     family = models.FAMILIES[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
     calib = tmp / "smooth.safetensors"
-    assert cli_main(["calibrate", "--model", str(family.TINY_DIR), "--max-new-tokens", "2", "--out", str(calib)]) == 0
+    assert cli_main(["calibrate", "--model", str(family.tiny_dir), "--max-new-tokens", "2", "--out", str(calib)]) == 0
     for name, extra in (("default", []), ("released", ["--release-float-weights"]),
                         ("static", ["--quant", "w8a8_static"])):
-        assert cli_main(["export", "--model", str(family.TINY_DIR), "--calibration", str(calib), *extra,
+        assert cli_main(["export", "--model", str(family.tiny_dir), "--calibration", str(calib), *extra,
                          str(tmp / name)]) == 0
     return family, tmp
 
@@ -57,7 +57,7 @@ def test_vllm_serves_the_default_export_as_pypto_gym_runs_it(calibrated_export):
     ours = compare.own_run(tmp / "default", prompts, MAX_TOKENS)
     assert theirs["quantization"] == "compressed-tensors" and ours["int8_linears"] == 28
     got = compare.agreement(theirs, ours)
-    print(f"{family.NAME}: {got}")
+    print(f"{family.name}: {got}")
     # two engines' bf16 roundings: a near-tie may go either way (vLLM's own rule), logprobs within 4 bf16 ulps
     assert got["close"], (got, theirs["outputs"], ours["outputs"])
     assert got["max_logprob_diff_ulps"] <= 4 and got["max_topk_gap_ulps"] <= 4, got
@@ -76,7 +76,7 @@ def test_vllm_serves_the_static_export_as_pypto_gym_runs_it(calibrated_export):
     ours = compare.own_run(tmp / "static", prompts, MAX_TOKENS)
     assert theirs["quantization"] == "compressed-tensors" and ours["int8_linears"] == 28
     got = compare.agreement(theirs, ours)
-    print(f"{family.NAME} static: {got}")
+    print(f"{family.name} static: {got}")
     assert got["close"], (got, theirs["outputs"], ours["outputs"])
     assert got["max_logprob_diff_ulps"] <= 4 and got["max_topk_gap_ulps"] <= 4, got
 
@@ -85,7 +85,7 @@ def test_an_int8_lm_head_export_is_refused_by_vllm_as_the_summary_says(tmp_path)
     """--int8-lm-head writes what vLLM does not load (its ParallelLMHead is never quantised): the export says so,
     and vLLM indeed refuses it."""
     out = tmp_path / "int8_head"
-    assert cli_main(["export", "--model", str(models.FAMILIES["llama"].TINY_DIR), "--int8-lm-head", str(out)]) == 0
+    assert cli_main(["export", "--model", str(models.FAMILIES["llama"].tiny_dir), "--int8-lm-head", str(out)]) == 0
     with pytest.raises(RuntimeError, match="lm_head.weight_scale"):
         compare.vllm_run(VLLM_PYTHON, out, [[1, 2, 3]], 2)
 
@@ -121,8 +121,8 @@ def test_the_plugin_serves_the_same_tokens_and_says_what_ran_where(name, tmp_pat
 
     family = models.FAMILIES[name]
     prompts = [ids for ids in _prompts(family)] + [[5, 6, 7]]
-    plain = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 32, dtype="float32")
-    fused = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 32, dtype="float32", env=_vllm_env(tmp_path),
+    plain = compare.vllm_run(VLLM_PYTHON, family.tiny_dir, prompts, 32, dtype="float32")
+    fused = compare.vllm_run(VLLM_PYTHON, family.tiny_dir, prompts, 32, dtype="float32", env=_vllm_env(tmp_path),
                              processes=True)
     assert compare.agreement(plain, fused)["tokens_equal"], (plain["outputs"], fused["outputs"])
     merged = report.merged(tmp_path / "report")
@@ -147,8 +147,8 @@ def test_bf16_serving_takes_every_provider_and_keeps_vllms_tokens(tmp_path):
 
     family = models.FAMILIES["qwen3"]
     prompts = _prompts(family)[:2]
-    plain = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 8)
-    fused = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 8, env=_vllm_env(tmp_path))
+    plain = compare.vllm_run(VLLM_PYTHON, family.tiny_dir, prompts, 8)
+    fused = compare.vllm_run(VLLM_PYTHON, family.tiny_dir, prompts, 8, env=_vllm_env(tmp_path))
     got = compare.agreement(plain, fused)  # bf16 kernels round differently from vLLM's torch code: near-ties may flip
     assert got["close"] and got["max_logprob_diff_ulps"] <= 4, (got, plain["outputs"], fused["outputs"])
     ops = report.merged(tmp_path / "report")["ops"]
@@ -164,7 +164,7 @@ def tiny_gptj(out: Path) -> Path:
     import torch
     from transformers import GPTJConfig, GPTJForCausalLM
 
-    llama = models.FAMILIES["llama"].TINY_DIR
+    llama = models.FAMILIES["llama"].tiny_dir
     vocab = json.loads((llama / "config.json").read_text())["vocab_size"]
     config = GPTJConfig(vocab_size=vocab, n_positions=256, n_embd=128, n_layer=1, n_head=2, rotary_dim=16,
                         bos_token_id=1, eos_token_id=2, architectures=["GPTJForCausalLM"])
@@ -198,8 +198,8 @@ def test_tensor_parallel_ranks_run_the_sharded_shapes_and_report_together(tmp_pa
 
     family = models.FAMILIES["qwen3"]
     prompts = _prompts(family)[:2]
-    one = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 8, dtype="float32", env=_vllm_env(tmp_path / "a"))
-    two = compare.vllm_run(VLLM_PYTHON, family.TINY_DIR, prompts, 8, dtype="float32", tensor_parallel_size=2,
+    one = compare.vllm_run(VLLM_PYTHON, family.tiny_dir, prompts, 8, dtype="float32", env=_vllm_env(tmp_path / "a"))
+    two = compare.vllm_run(VLLM_PYTHON, family.tiny_dir, prompts, 8, dtype="float32", tensor_parallel_size=2,
                            env={**_vllm_env(tmp_path / "b"), "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     assert compare.agreement(one, two)["tokens_equal"]
     per_process = [json.loads(p.read_text())["ops"]["SiluAndMul"]["calls"]
@@ -208,5 +208,5 @@ def test_tensor_parallel_ranks_run_the_sharded_shapes_and_report_together(tmp_pa
     report.merge_cases(tmp_path / "b" / "capture", tmp_path / "tp.json")
     widths = {c["input"]["x"]["shape"][-1] for c in json.loads((tmp_path / "tp.json").read_text())["test_cases"]
               if c["op"] == "silu_and_mul"}
-    intermediate = json.loads((family.TINY_DIR / "config.json").read_text())["intermediate_size"]
+    intermediate = json.loads((family.tiny_dir / "config.json").read_text())["intermediate_size"]
     assert widths == {intermediate}, widths  # gate and up halves of the rank's shard: 2 * intermediate / 2

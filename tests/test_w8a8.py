@@ -770,8 +770,8 @@ def test_text_families_run_every_linear_int8(name):
     from pypto_gym import models
 
     family = models.FAMILIES[name]
-    model, processor = family.load(family.TINY_DIR, "float32", "cpu")
-    batch = processor(list(family.CALIBRATION_PROMPTS[:2]), None, model)
+    model, processor = family.load(family.tiny_dir, "float32", "cpu")
+    batch = processor(list(family.calibration_prompts[:2]), None, model)
     want = _logits(model, batch)
     report = patch_model(model, backend="cpu", quant="w8a8", int8_lm_head=True)
     got = _logits(model, batch)

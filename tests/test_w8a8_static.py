@@ -149,15 +149,15 @@ def test_a_percentile_range_leaves_a_rare_spike_out():
 def qwen3_calib(tmp_path_factory):
     family = models.FAMILIES["qwen3"]
     path = tmp_path_factory.mktemp("calib") / "qwen3.safetensors"
-    assert cli_main(["calibrate", "--model", str(family.TINY_DIR), "--dtype", "bfloat16", "--max-new-tokens", "2",
+    assert cli_main(["calibrate", "--model", str(family.tiny_dir), "--dtype", "bfloat16", "--max-new-tokens", "2",
                      "--out", str(path)]) == 0
     return path
 
 
 def _qwen3(dtype="bfloat16"):
     family = models.FAMILIES["qwen3"]
-    model, processor = family.load(family.TINY_DIR, dtype, "cpu")
-    return model, processor(list(family.CALIBRATION_PROMPTS[:2]), None, None), processor
+    model, processor = family.load(family.tiny_dir, dtype, "cpu")
+    return model, processor(list(family.calibration_prompts[:2]), None, None), processor
 
 
 def _logits(model, batch):
@@ -420,11 +420,11 @@ def test_every_family_round_trips_a_static_export_bit_equal_in_both_formats(name
 
     family = models.FAMILIES[name]
     calib = tmp_path / "calib.safetensors"
-    assert cli_main(["calibrate", "--model", str(family.TINY_DIR), "--dtype", "bfloat16", "--max-new-tokens", "2",
+    assert cli_main(["calibrate", "--model", str(family.tiny_dir), "--dtype", "bfloat16", "--max-new-tokens", "2",
                      "--out", str(calib)]) == 0
-    model, processor = family.load(family.TINY_DIR, "bfloat16", "cpu")
-    batch = processor(["Read the text in the image."], [open_image(SAMPLE_IMAGE)], None) if family.MULTIMODAL \
-        else processor(list(family.CALIBRATION_PROMPTS[:2]), None, None)
+    model, processor = family.load(family.tiny_dir, "bfloat16", "cpu")
+    batch = processor(["Read the text in the image."], [open_image(SAMPLE_IMAGE)], None) if family.multimodal \
+        else processor(list(family.calibration_prompts[:2]), None, None)
     report = patch_model(model, backend="cpu", quant="w8a8_static", calibration=calib, strict=True)
     floats = [r["path"] for r in report.to_json()["w8a8"]["linears"] if r["became"] != "w8a8"]
     assert floats == ["lm_head"]
@@ -439,10 +439,10 @@ def test_every_family_round_trips_a_static_export_bit_equal_in_both_formats(name
 def test_cli_exports_and_infers_a_static_checkpoint(qwen3_calib, tmp_path, capsys):
     family = models.FAMILIES["qwen3"]
     out = tmp_path / "ms"
-    assert cli_main(["export", "--model", str(family.TINY_DIR), "--quant", "w8a8_static", "--format", "msmodelslim",
+    assert cli_main(["export", "--model", str(family.tiny_dir), "--quant", "w8a8_static", "--format", "msmodelslim",
                      "--calibration", str(qwen3_calib), str(out)]) == 0
     assert "W8A8 static: weight int8, input_scale/input_offset, deq_scale, quant_bias" in capsys.readouterr().out
-    assert cli_main(["export", "--model", str(family.TINY_DIR), "--quant", "w8a8_static", "--format", "msmodelslim",
+    assert cli_main(["export", "--model", str(family.tiny_dir), "--quant", "w8a8_static", "--format", "msmodelslim",
                      str(tmp_path / "x")]) == 2
     assert "--quant w8a8_static: needs --calibration" in capsys.readouterr().err
     assert cli_main(["infer", "--model", str(out), "--use_pto", "--quant", "w8a8", "--max-new-tokens", "2"]) == 2
@@ -473,7 +473,7 @@ def test_tune_finds_the_fewest_float_groups_for_the_target_and_patch_model_runs_
     from pypto_gym.quant import tune
 
     family = models.FAMILIES["qwen3"]
-    model, processor = family.load(family.TINY_DIR, "bfloat16", "cpu")
+    model, processor = family.load(family.tiny_dir, "bfloat16", "cpu")
     inject_outliers(model)
     held_out = [processor([p], None, None) for p in tune.HELD_OUT_PROMPTS]
 
@@ -482,7 +482,7 @@ def test_tune_finds_the_fewest_float_groups_for_the_target_and_patch_model_runs_
             return [model(**b, logits_to_keep=tune.KEEP_POSITIONS).logits[0].float() for b in held_out]
 
     def calibrate():
-        generate(model, processor, list(family.CALIBRATION_PROMPTS[:2]), [None, None], 2)
+        generate(model, processor, list(family.calibration_prompts[:2]), [None, None], 2)
 
     out = tmp_path / "recipe.safetensors"
     report = tune.tune(model, evaluate, calibrate, 0.9995, "static", out=out, log=lambda line: None)
@@ -511,7 +511,7 @@ def test_tune_finds_the_fewest_float_groups_for_the_target_and_patch_model_runs_
     unpatch_model(model)
     # export (and infer, through the same patch_model) take the recipe as their --calibration
     ms = tmp_path / "ms"
-    assert cli_main(["export", "--model", str(family.TINY_DIR), "--quant", "w8a8_static", "--format", "msmodelslim",
+    assert cli_main(["export", "--model", str(family.tiny_dir), "--quant", "w8a8_static", "--format", "msmodelslim",
                      "--calibration", str(out), str(ms)]) == 0
     desc = json.loads((ms / export.MSMODELSLIM_JSON).read_text())
     assert all(desc[f"{p}.weight"] == "FLOAT" for p in report["float_linears"])
@@ -519,6 +519,6 @@ def test_tune_finds_the_fewest_float_groups_for_the_target_and_patch_model_runs_
 
 
 def test_cli_tune_refuses_a_target_outside_zero_to_one(capsys, tmp_path):
-    assert cli_main(["tune", "--model", str(models.FAMILIES["qwen3"].TINY_DIR), "--target-cosine", "1.5", "--out",
+    assert cli_main(["tune", "--model", str(models.FAMILIES["qwen3"].tiny_dir), "--target-cosine", "1.5", "--out",
                      str(tmp_path / "r.safetensors")]) == 2
     assert "--target-cosine: got 1.5; expected a cosine in (0, 1]" in capsys.readouterr().err

@@ -161,8 +161,8 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
         prompt = "Read the text in the image."
     else:
         model, processor, family = models.load(model_path, dtype)
-        what, multimodal = f"{model_path} ({family.NAME})", family.MULTIMODAL
-        prompt = family.CALIBRATION_PROMPTS[0]
+        what, multimodal = f"{model_path} ({family.name})", family.multimodal
+        prompt = family.calibration_prompts[0]
     load_s = time.perf_counter() - t0
     img = open_image(image or DOCUMENT_IMAGE) if multimodal else None
     print(f"{what}, {dtype}: loaded in {load_s:.1f} s; "

@@ -119,7 +119,7 @@ def run(layers: int = 2, dtype: str = "bfloat16", quick: bool = False, rounds: i
     print(header("bench vllm"))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        targets = {"tiny_qwen3": FAMILIES["qwen3"].TINY_DIR, "tiny_llama": FAMILIES["llama"].TINY_DIR}
+        targets = {"tiny_qwen3": FAMILIES["qwen3"].tiny_dir, "tiny_llama": FAMILIES["llama"].tiny_dir}
         if not quick:
             print(f"writing GutenOCR-3B's text model with random weights ({layers} layers, {dtype})", flush=True)
             targets["gutenocr_3b_text"] = gutenocr_text_checkpoint(tmp / "gutenocr_text", layers, dtype)

@@ -174,7 +174,7 @@ def inject_outliers(model) -> int:
     n = 0
     with torch.no_grad():
         for cand in NORMS.candidates(model, None):
-            if not cand.reason and cand.kind in family_of(model).W8A8_LINEARS:
+            if not cand.reason and cand.kind in family_of(model).w8a8_linears:
                 D = cand.module.weight.shape[0]
                 for j, f in zip((D // 7, D // 3, D // 2 + 1, D - 5), OUTLIER_FACTORS):
                     cand.module.weight[j] *= f

@@ -31,7 +31,7 @@ def run(args) -> int:
     if args.percentile is not None and not 50.0 < args.percentile <= 100.0:
         raise common.UserError(f"--percentile: got {args.percentile}; expected a number in (50, 100]")
     out = files.check_writable(common.safetensors_name(args.out), "--out")
-    args.prompt = args.prompt or list(family.CALIBRATION_PROMPTS)
+    args.prompt = args.prompt or list(family.calibration_prompts)
     todo = requests(args, family)
     model, processor, _ = common.load_model(args, family, device)
     with calibration.Calibrator(model, args.percentile) as rec:

@@ -22,7 +22,7 @@ def requests(args, family) -> list:
     """(prompt, image or None, label) for every prompt x image the command runs (text models: prompts only)."""
     from ..inference import open_image
 
-    image_paths = (args.image or [str(p) for p in family.IMAGES]) if family.MULTIMODAL else [None]
+    image_paths = (args.image or [str(p) for p in family.images]) if family.multimodal else [None]
     images = [(open_image(p) if p else None, Path(p).name if p else "") for p in image_paths]
     return [(prompt, image, label) for prompt in args.prompt for image, label in images]
 

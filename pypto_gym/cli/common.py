@@ -90,12 +90,12 @@ def model_family(args):
         except (ValueError, AttributeError) as e:
             raise UserError(f"--config: {e}") from None
         if not hasattr(family, "random_model"):
-            raise UserError(f"--config: random weights are built for the Qwen2.5-VL family only, not {family.NAME}")
+            raise UserError(f"--config: random weights are built for the Qwen2.5-VL family only, not {family.name}")
     else:
         family = models.DEFAULT if args.model is None else models.family(models.model_type(args.model))
     images = args.image if isinstance(args.image, list) else [args.image] if args.image else []
-    if images and not family.MULTIMODAL:
-        raise UserError(f"--image: {family.NAME} is a text-only model; it takes prompts only")
+    if images and not family.multimodal:
+        raise UserError(f"--image: {family.name} is a text-only model; it takes prompts only")
     return family
 
 
@@ -143,7 +143,7 @@ def load_model(args, family, device):
         model, processor = family.random_model(args.config, args.num_layers, args.vision_depth, dtype)
         model = model.to(device)
     else:
-        model, processor = family.load(args.model or family.TINY_DIR, dtype, device)
+        model, processor = family.load(args.model or family.tiny_dir, dtype, device)
     return model, processor, time.perf_counter() - t0
 
 
@@ -159,7 +159,7 @@ def safetensors_name(out: str) -> str:
 
 
 def default_prompt(family) -> str:
-    return "Read the text in the image." if family.MULTIMODAL else family.CALIBRATION_PROMPTS[0]
+    return "Read the text in the image." if family.multimodal else family.calibration_prompts[0]
 
 
 # ---- patching -----------------------------------------------------------------------------------------

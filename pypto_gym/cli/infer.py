@@ -25,7 +25,7 @@ def run(args) -> int:
     common.refuse_backend_that_cannot_run(args, options, device)
     if args.report_file:
         files.check_writable(args.report_file, "--report-file")
-    image = open_image(args.image or family.IMAGES[0]) if family.MULTIMODAL else None
+    image = open_image(args.image or family.images[0]) if family.multimodal else None
     from ..quant import export
 
     if args.model and export.int8_format(args.model):
@@ -38,7 +38,7 @@ def run(args) -> int:
     result = InferenceResult(text=texts, new_tokens=n_new, load_s=load_s, prefill_s=prefill_s,
                              decode_tokens_per_s=tps, peak_memory_mb=peak_memory_mb(device),
                              device=device, dtype=str(model.dtype).replace("torch.", ""),
-                             extra={"use_pto": report is not None, "model_family": family.NAME,
+                             extra={"use_pto": report is not None, "model_family": family.name,
                                     "patch_report": report.to_json() if report is not None else None})
     print(f"generated: {texts[0]!r}")
     print(report if report is not None else "pypto-gym patching: off (pass --use_pto or set USE_PTO_RMS_NORM=1)")

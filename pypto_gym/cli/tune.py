@@ -34,7 +34,7 @@ def run(args) -> int:
         raise common.UserError(f"--target-cosine: got {args.target_cosine}; expected a cosine in (0, 1]")
     out = files.check_writable(common.safetensors_name(args.out), "--out")
     device = resolve_device(args.device)
-    args.prompt = args.prompt or list(family.CALIBRATION_PROMPTS)
+    args.prompt = args.prompt or list(family.calibration_prompts)
     calib = requests(args, family)
     images = list({id(im): im for _, im, _ in calib}.values())  # each calibration image once (None: a text model)
     held_out = [(p, im) for p in tune.HELD_OUT_PROMPTS for im in images]

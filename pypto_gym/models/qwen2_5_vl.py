@@ -13,10 +13,8 @@ from pathlib import Path
 
 from .common import (MODELING_DIR, TEXT_LINEARS_AFTER_NORM, TEXT_OWN_INPUT, check_model_dir, check_tokenizer_files,
                      from_pretrained, randomise_norms, save_tokenizer, save_weights, train_tokenizer)
+from .family import Family
 
-NAME = "qwen2_5_vl"
-MODEL_TYPES = ("qwen2_5_vl",)
-MULTIMODAL = True
 TINY_DIR = MODELING_DIR / "tiny_qwen2_5_vl"
 GUTENOCR_CONFIG = MODELING_DIR / "gutenocr_3b" / "config.json"
 SAMPLE_IMAGE = TINY_DIR / "sample.png"
@@ -27,7 +25,7 @@ CALIBRATION_PROMPTS = ["Read the text in the image.", "What is written in this d
 
 # W8A8: the linears that read each norm kind's output rows directly, relative to the norm's parent, so
 # the norm can hand them int8 rows: the decoder's, and Qwen2.5-VL's vision blocks.
-W8A8_LINEARS = {
+_W8A8_LINEARS = {
     **TEXT_LINEARS_AFTER_NORM,
     "vision.norm1": ("attn.qkv",),
     "vision.norm2": ("mlp.gate_proj", "mlp.up_proj"),
@@ -36,7 +34,7 @@ W8A8_LINEARS = {
 # (dynamic_quant), each with where its smooth scale folds (quant/fold.py): o_proj and the vision
 # attn.proj (after attention: v_proj's rows, qkv's v third), the merger's mlp.0 (ln_q's rows regrouped,
 # 4 of 1280 as one of 5120: ln_q's weight) and mlp.2 (after its GELU: nowhere, so it is not smoothed).
-W8A8_OWN_INPUT = {**TEXT_OWN_INPUT, "attn.proj": ("attn.qkv", "v_third"), "merger.mlp.0": ("merger.ln_q", "tiled"),
+_W8A8_OWN_INPUT = {**TEXT_OWN_INPUT, "attn.proj": ("attn.qkv", "v_third"), "merger.mlp.0": ("merger.ln_q", "tiled"),
                   "merger.mlp.2": None}
 
 # Checkpoint tensor names in the layout transformers 4.x wrote (and 5.x's save_pretrained still writes, and
@@ -264,3 +262,8 @@ def _render_document_image(path: Path) -> None:
     for i in range(60):
         draw.text((24, 24 + 16 * i), lines[i % len(lines)][:110], fill="black")
     img.save(path, optimize=False)
+
+
+FAMILY = Family(name="qwen2_5_vl", model_types=("qwen2_5_vl",), multimodal=True, load=load, tiny_dir=TINY_DIR,
+                build_tiny=build_tiny, images=IMAGES, calibration_prompts=CALIBRATION_PROMPTS,
+                w8a8_linears=_W8A8_LINEARS, w8a8_own_input=_W8A8_OWN_INPUT, legacy_names=LEGACY_NAMES)

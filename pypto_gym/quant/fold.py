@@ -9,7 +9,7 @@ exact arithmetic (what llm-compressor's SmoothQuant does to a checkpoint):
 - a SwiGLU MLP (down_proj reads silu(gate) * up): up_proj's output rows; for an int8 up_proj only its
   per-channel weight_scale and bias change, the int8 codes stay as they are;
 - a linear that quantises its own input: the module whose output channels its input channels are, by
-  the family's table (models/<family>.py W8A8_OWN_INPUT). o_proj's input channel h*d + c is v_proj's
+  the family's table (its Family.w8a8_own_input, models/<family>.py). o_proj's input channel h*d + c is v_proj's
   output channel (h // groups)*d + c (attention mixes positions, not channels); the vision attn.proj's
   is its qkv's v third; the merger's mlp.0 reads ln_q's rows regrouped (channel j is ln_q's j % D).
   Where one source channel feeds several input channels (GQA's query heads, the regrouping) they must
@@ -58,7 +58,7 @@ def _index(kind: str, model, path: str, linear, source_path: str, source) -> tor
         if n_in % width == 0:
             return j % width
     else:
-        raise ValueError(f"W8A8_OWN_INPUT: fold kind {kind!r} for {path}; expected 'kv_heads', 'v_third' or 'tiled'")
+        raise ValueError(f"w8a8_own_input: fold kind {kind!r} for {path}; expected 'kv_heads', 'v_third' or 'tiled'")
     raise ValueError(f"{path}: its input does not fit fold kind {kind!r} from {source_path} (in_features {n_in}, "
                      f"{source_path} has {width} output channels)")
 
@@ -66,7 +66,7 @@ def _index(kind: str, model, path: str, linear, source_path: str, source) -> tor
 def folds(model) -> dict:
     """{path: Fold} of every linear that quantises its own input and whose smooth scale has a source to fold
     into; the others (a None in the family table) are not smoothed."""
-    table = w8a8_family(model).W8A8_OWN_INPUT
+    table = w8a8_family(model).w8a8_own_input
     out = {}
     for path, linear in own_input_linears(model):
         suffix = next(s for s in table if path == s or path.endswith("." + s))

@@ -1,10 +1,10 @@
 """Turn a patched model's linears into W8A8: which producers quantise, which linears go int8.
 
 Producers of int8 rows: the norms, whose consumers are named per model family (models/<family>.py,
-W8A8_LINEARS), each name checked against the model (an nn.Linear whose in_features is the norm's D;
+w8a8_linears), each name checked against the model (an nn.Linear whose in_features is the norm's D;
 a norm none of whose linears is found stays a float norm, with the reason in the report); and the
 patched SwiGLU MLPs, whose down_proj reads the fused swiglu + quant's rows. The linears whose input
-no fused op produces (o_proj, the vision attn.proj, the merger's linears: W8A8_OWN_INPUT) quantise
+no fused op produces (o_proj, the vision attn.proj, the merger's linears: w8a8_own_input) quantise
 it themselves with `dynamic_quant`, smoothed by their own calibrated scale (where it can fold into a
 checkpoint: quant/fold.py), in the parts of the model (text, vision) that have patched norms or MLPs. Every other
 linear stays in the model dtype and is listed with why.

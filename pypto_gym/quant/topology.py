@@ -22,7 +22,7 @@ def _resolve(model, site, relative: str):
 
 
 def w8a8_family(model):
-    """The model family (models/<family>.py: W8A8_LINEARS, W8A8_OWN_INPUT); a model of none is refused."""
+    """The model family (models/<family>.py: its w8a8_linears and w8a8_own_input); a model of none is refused."""
     family = models.family_of(model)
     if family is None:
         name = getattr(getattr(model, "config", None), "model_type", None)
@@ -34,7 +34,7 @@ def w8a8_family(model):
 def linears_after(model, site):
     """([(path, linear)], [(path, reason)]) of the linears the model family names for the site's kind."""
     found, missing = [], []
-    for relative in w8a8_family(model).W8A8_LINEARS.get(site.kind, ()):
+    for relative in w8a8_family(model).w8a8_linears.get(site.kind, ()):
         path, got = _resolve(model, site, relative)
         (found if isinstance(got, torch.nn.Module) else missing).append((path, got))
     return found, missing
@@ -42,6 +42,6 @@ def linears_after(model, site):
 
 def own_input_linears(model):
     """[(path, linear)]: the nn.Linears the family names (by path suffix) as quantising their own input."""
-    suffixes = w8a8_family(model).W8A8_OWN_INPUT
+    suffixes = w8a8_family(model).w8a8_own_input
     return [(p, m) for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)
             and any(p == s or p.endswith("." + s) for s in suffixes)]
