@@ -3,7 +3,7 @@
 Dynamic scheme: rms_norm_dynamic_quant (per-row scales, the smooth scale an argument of the fused op).
 Static scheme: rms_norm_quant under the producer's static scale and offset; torch_npu's static norm + quant
 has no smooth scale, so the smooth scale is folded into the norm weight as a checkpoint holds it
-(gamma * 1/s, rounded once to the weight's dtype: export.py writes these same values)."""
+(gamma * 1/s, rounded once to the weight's dtype: export/ writes these same values)."""
 from __future__ import annotations
 
 from .. import ops
