@@ -1,7 +1,8 @@
-// The shared layer of pypto-gym's fused CPU kernels (one .cpp per op in pypto_gym/ops/defs/).
+// The shared layer of pypto-gym's fused CPU kernels (kernels/cpu/<op>.cpp, beside each op's Python glue).
 //
 // The cpu backend compiles every op's source as one translation unit per instruction-set level
-// (cpu.py picks the level the CPU runs):
+// (backend.py picks the level the CPU runs):
+//   avx512amx:  avx512bf16 + AMX tiles (the bf16 GEMMs),
 //   avx512bf16: AVX-512 + the BF16 extension (vdpbf16ps sums, vcvtneps2bf16 rounding, subnormals by integers),
 //   avx512:     AVX-512F/BW/DQ, bf16 rounding by integer arithmetic,
 //   avx2:       AVX2 + FMA + F16C, 8 floats a step,
