@@ -2,7 +2,10 @@
 the same export generates (SPEC 11, 12).
 
 vLLM runs in its own venv: .venv-vllm in the repository (scripts/make_vllm_env.sh builds it; CI does) or
-$PYPTO_GYM_VLLM_PYTHON. Without one these tests are skipped, saying how to get it.
+$PYPTO_GYM_VLLM_PYTHON. Without one these tests are skipped, saying how to get it. The engines serving exports and
+the plugin (`integration`: a minute each) run in CI's second step; command 2 runs the fast checks guarding the same
+behaviour: every provider against vLLM's own code in vLLM, vLLM loading an export (the int8 lm_head refusal), and the
+exports' format and round trip (tests/test_export.py).
 """
 import json
 import os
@@ -42,6 +45,7 @@ def calibrated_export(request, tmp_path_factory):
     return family, tmp
 
 
+@pytest.mark.integration
 def test_vllm_serves_the_default_export_as_pypto_gym_runs_it(calibrated_export):
     """vLLM refused every default export (an int8 lm_head it cannot load) and took the tiny checkpoints for pooling
     models (no `architectures`): now it loads the calibrated export, runs its own W8A8 kernels on it, and its greedy
@@ -63,6 +67,7 @@ def test_vllm_serves_the_default_export_as_pypto_gym_runs_it(calibrated_export):
     assert got["max_logprob_diff_ulps"] <= 4 and got["max_topk_gap_ulps"] <= 4, got
 
 
+@pytest.mark.integration
 def test_vllm_serves_the_static_export_as_pypto_gym_runs_it(calibrated_export):
     """The static scheme's compressed-tensors export (per-tensor static, asymmetric int8 inputs: input_scale and
     input_zero_point) runs on vLLM's own W8A8 kernels (CompressedTensorsW8A8Int8 with a static, asymmetric input)
@@ -111,6 +116,7 @@ def test_every_provider_takes_vllms_own_semantics_in_vllm():
     assert len(failures) >= 15 and not any(failures.values()), failures
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
 def test_the_plugin_serves_the_same_tokens_and_says_what_ran_where(name, tmp_path):
     """fp32, 4 prompts in one batch, 32 tokens: vLLM's greedy tokens with pypto-gym's kernels equal its own, every
@@ -139,6 +145,7 @@ def test_the_plugin_serves_the_same_tokens_and_says_what_ran_where(name, tmp_pat
     assert len(batches) >= 2  # prefill chunks and decode batches of several sequences
 
 
+@pytest.mark.integration
 def test_bf16_serving_takes_every_provider_and_keeps_vllms_tokens(tmp_path):
     """bf16, the dtype a deployment serves: fused_add_rms_norm is taken too (vLLM normalises the unrounded fp32 sum,
     which the op's fp32_sum norm input reads), nothing is declined, and the greedy run is vLLM's own by vLLM's rule
@@ -175,6 +182,7 @@ def tiny_gptj(out: Path) -> Path:
     return out
 
 
+@pytest.mark.integration
 def test_a_declined_call_is_counted_with_its_reason_and_strict_mode_raises(tmp_path):
     """GPT-J's interleaved rotation: the provider declines it to vLLM's native code, counted with the reason; with
     PYPTO_GYM_STRICT=1 the engine stops with the reason instead."""
@@ -190,6 +198,7 @@ def test_a_declined_call_is_counted_with_its_reason_and_strict_mode_raises(tmp_p
                          env=_vllm_env(tmp_path / "strict", PYPTO_GYM_STRICT="1"))
 
 
+@pytest.mark.integration
 def test_tensor_parallel_ranks_run_the_sharded_shapes_and_report_together(tmp_path):
     """tensor_parallel_size=2 on vLLM's CPU backend (one core per rank: VLLM_CPU_OMP_THREADS_BIND="0|1", else it
     refuses to bind two workers on one NUMA node): the tokens of one rank, both ranks' counters in the merged
