@@ -205,6 +205,35 @@ def test_adapted_internals_still_exist():
     assert (Path(_utils.BuildOnlineManager().pkg_lib_dir) / "calculator").is_dir()
 
 
+def test_building_the_calculator_leaves_the_process_environment_live(monkeypatch, tmp_path):
+    """PyPTO's own build helper (_TorchContext) replaces os.environ with a dict copy, after which an os.environ write no
+    longer reaches the process's C environment: torch.compile's C++ wrapper later in the same process failed
+    ("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR must be set"). The calculator build reads torch's facts itself; the
+    build is stopped at cmake here, after everything before it ran."""
+    import ctypes
+    import os
+
+    from pypto._utils import BuildOnlineManager
+
+    class Stop(Exception):
+        pass
+
+    def stop(self, ctx):
+        assert "-DPY3_MOD_TORCH_VERSION=" + torch.__version__ in ctx.cfg_cmd_ext
+        raise Stop
+
+    environ = os.environ
+    monkeypatch.setattr(pypto_compat, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(BuildOnlineManager._CMakeContext, "compile", stop)
+    with pytest.raises(Stop):
+        pypto_compat._build_calculator(tmp_path / "calculator" / "install" / "lib" / "x.so", progress=False)
+    assert os.environ is environ
+    monkeypatch.setenv("PYPTO_GYM_ENV_PROBE", "live")  # and the C environment still sees what Python sets
+    getenv = ctypes.CDLL(None).getenv
+    getenv.restype = ctypes.c_char_p
+    assert getenv(b"PYPTO_GYM_ENV_PROBE") == b"live"
+
+
 @pytest.mark.parametrize("cast_mode", ["hf", "fp32", "none"])
 def test_seed_000_worked_example_on_pypto(cast_mode):
     """Reference 000's 2x4 fp32 example (D=4: the tile is padded to 16 columns by PyPTO)."""

@@ -152,15 +152,19 @@ def _build_calculator(lib: Path, progress: bool) -> Path:
     if progress:
         print("pypto-gym: building PyPTO's CPU calculator (once per machine: 20 s to 4 min on two cores)...",
               file=sys.stderr, flush=True)
+    import torch
+
     mgr = BuildOnlineManager()
-    torch_ctx = mgr._TorchContext()
+    # torch's facts read here, not through PyPTO's _TorchContext: that one puts a dict copy in place of os.environ,
+    # after which the process's os.environ writes no longer reach its C environment (torch.compile's C++ wrapper in
+    # the same process then failed: "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR must be set")
     cmake_ctx = mgr._CMakeContext()
     cache_dir().mkdir(parents=True, exist_ok=True)  # a fresh PYPTO_GYM_CACHE: nothing made it yet
     staging = Path(tempfile.mkdtemp(prefix="calc-", dir=cache_dir()))
     ctx = mgr._CMakeContext.CompileContext(src_dir=Path(mgr.pkg_lib_dir, "calculator"), tmp_dir=staging)
-    ctx.cfg_cmd_ext = (f"-DPY3_MOD_TORCH_VERSION={torch_ctx.torch_version} "
-                       f"-DPY3_MOD_TORCH_ROOT_PATH={torch_ctx.torch_root_dir} "
-                       f"-DPY3_MOD_TORCH_C_GLIBCXX_USE_CXX11_ABI={torch_ctx.torch_c_use_cxx11_abi}")
+    ctx.cfg_cmd_ext = (f"-DPY3_MOD_TORCH_VERSION={torch.__version__} "
+                       f"-DPY3_MOD_TORCH_ROOT_PATH={Path(torch.__file__).parent} "
+                       f"-DPY3_MOD_TORCH_C_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
     ctx.build_job_num = os.cpu_count() or 2
     with quiet(cache_dir() / "calculator-build.log"):  # cmake's own output; the line above says what runs
         install = cmake_ctx.compile(ctx=ctx)
