@@ -113,6 +113,12 @@ def test_a_sites_glob_naming_a_kind_that_needs_another_says_what_it_needs(capsys
     assert rc == 0 and "4/4 vision attention sites patched" in stdout
 
 
+def test_random_weights_are_refused_for_a_family_that_has_no_builder_naming_those_that_do(capsys, tmp_path):
+    rc, stdout, err, _ = run_cli(capsys, "capture", "--config", str(ROOT / "modeling" / "tiny_qwen3" / "config.json"),
+                                 "--out", str(tmp_path / "x.json"))
+    one_line_error(rc, err, "--config: random weights are built for the qwen2_5_vl, qwen3_vl families, not qwen3")
+
+
 def test_environment_switches_are_parsed_by_one_rule(monkeypatch):
     from pypto_gym.cli import build_parser
     from pypto_gym.cli.common import patch_options

@@ -89,8 +89,9 @@ def model_family(args):
             family = models.family(json.loads(path.read_text()).get("model_type"))
         except (ValueError, AttributeError) as e:
             raise UserError(f"--config: {e}") from None
-        if not hasattr(family, "random_model"):
-            raise UserError(f"--config: random weights are built for the Qwen2.5-VL family only, not {family.name}")
+        if family.random_model is None:
+            known = ", ".join(f.name for f in models.FAMILIES.values() if f.random_model is not None)
+            raise UserError(f"--config: random weights are built for the {known} families, not {family.name}")
     else:
         family = models.DEFAULT if args.model is None else models.family(models.model_type(args.model))
     images = args.image if isinstance(args.image, list) else [args.image] if args.image else []

@@ -20,7 +20,8 @@ class Family:
     """One model family.
 
     `load(path, dtype, device) -> (model, processor)`; `build_tiny(out)` writes the tiny checkpoint shipped in
-    `tiny_dir` (None: the family ships none). `w8a8_linears`: norm kind -> linears (relative to the norm's parent)
+    `tiny_dir` (None: the family ships none); `random_model(config_path, num_layers, vision_depth, dtype) -> (model,
+    processor)` builds one at a real config's dimensions with random weights (`--config`; None: not for this family). `w8a8_linears`: norm kind -> linears (relative to the norm's parent)
     that read its rows; `w8a8_own_input`: linear path suffix -> (where its smooth scale folds, fold kind) or None
     (quant/fold.py). `legacy_names`: regex renames of older checkpoint tensor names to module paths."""
 
@@ -30,6 +31,7 @@ class Family:
     load: Callable
     tiny_dir: Path | None = None
     build_tiny: Callable | None = None
+    random_model: Callable | None = None
     images: tuple = ()
     calibration_prompts: list[str] = field(default_factory=lambda: list(TEXT_PROMPTS))
     w8a8_linears: dict = field(default_factory=lambda: dict(TEXT_LINEARS_AFTER_NORM))

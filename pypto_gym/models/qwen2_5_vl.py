@@ -99,14 +99,7 @@ def random_model(config_path=GUTENOCR_CONFIG, num_layers: int | None = None, vis
     shape capture and benchmarks run at GutenOCR-3B's D=2048 / 1280 on a laptop. The special-token
     ids are re-pointed at the embedded tokenizer, so it can drive a model with GutenOCR-3B's vocabulary.
     """
-    import torch
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
-
-    path = Path(config_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--config: no config file at {path}")
-    raw = json.loads(path.read_text())
-    raw = copy.deepcopy(raw)
+    raw = read_config(config_path)
     if num_layers is not None:
         raw["num_hidden_layers"] = num_layers
         raw["max_window_layers"] = min(raw.get("max_window_layers", num_layers), num_layers)
@@ -117,17 +110,34 @@ def random_model(config_path=GUTENOCR_CONFIG, num_layers: int | None = None, vis
             or [vision_depth - 1]
     processor = Processor(TINY_DIR)
     raw.update(processor.token_ids())
+    return build_random(raw, "Qwen2_5_VLForConditionalGeneration", dtype, seed), processor
+
+
+def read_config(config_path) -> dict:
+    """A config.json for random_model, refused naming --config when it is not there."""
+    path = Path(config_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--config: no config file at {path}")
+    return copy.deepcopy(json.loads(path.read_text()))
+
+
+def build_random(raw: dict, model_class: str, dtype="bfloat16", seed: int = 0):
+    """transformers' `model_class` of config `raw` with random weights from `seed`, built in `dtype`."""
+    import torch
+    import transformers
+    from transformers import AutoConfig
+
     config = AutoConfig.for_model(**raw)
     torch.manual_seed(seed)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype)  # build directly in the target dtype: half the peak memory
     try:
-        model = Qwen2_5_VLForConditionalGeneration(config)
+        model = getattr(transformers, model_class)(config)
     finally:
         torch.set_default_dtype(prev)
     # the config's own torch_dtype (bfloat16) wins over the default for the text model: cast the rest
-    return model.to(torch_dtype).eval(), processor
+    return model.to(torch_dtype).eval()
 
 
 class Processor:
@@ -209,35 +219,46 @@ def load(path=TINY_DIR, dtype="auto", device="cpu"):
     return from_pretrained(Qwen2_5_VLForConditionalGeneration, p, dtype, device), processor
 
 
-def build_tiny(out=TINY_DIR, seed: int = 0) -> None:
-    """The embedded checkpoint: GutenOCR-3B's config scaled down (same structure and eps), a BPE tokenizer
-    trained on the shipped corpus, random weights from `seed`, the sample images. Running it twice gives
-    identical files."""
+IMAGE_PROCESSOR = {  # Qwen2.5-VL's preprocessor_config.json (a Qwen3-VL family overrides patch size and mean/std)
+    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+    "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+    "rescale_factor": 1 / 255, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711], "patch_size": 14, "temporal_patch_size": 2,
+    "merge_size": 2, "min_pixels": 56 * 56, "max_pixels": 1280 * 28 * 28, "resample": 3,
+}
+
+
+def write_vl_tiny(out, config_for, model_class: str, image_processor: dict, seed: int = 0) -> None:
+    """A tiny vision-language checkpoint of this processor's kind (Qwen2.5-VL's tokens and chat template): a BPE
+    tokenizer trained on the shipped corpus, `config_for(vocab_size, token_ids)` as config.json, random weights of
+    transformers' `model_class` from `seed`, the image processor's config. Running it twice gives identical files."""
     import torch
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+    import transformers
+    from transformers import AutoConfig
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(SPECIAL_TOKENS, "<|im_end|>", "<|endoftext|>", CHAT_TEMPLATE)
     save_tokenizer(tokenizer, out, "Qwen2Tokenizer")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    cfg = tiny_config_dict(vocab_size=len(tokenizer), token_ids=ids)
+    cfg = config_for(len(tokenizer), ids)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({
         "bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
         "pad_token_id": ids["<|endoftext|>"], "do_sample": False}, indent=2) + "\n")
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(out)).to(torch.bfloat16).eval()
+    model = getattr(transformers, model_class)(AutoConfig.from_pretrained(out)).to(torch.bfloat16).eval()
     randomise_norms(model)
     save_weights(model, out, skip={"lm_head.weight"})
-    (out / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
-        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
-        "rescale_factor": 1 / 255, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711], "patch_size": 14, "temporal_patch_size": 2,
-        "merge_size": 2, "min_pixels": 56 * 56, "max_pixels": 1280 * 28 * 28, "resample": 3,
-    }, indent=2) + "\n")
-    _render_sample_image(out / "sample.png")
+    (out / "preprocessor_config.json").write_text(json.dumps({**IMAGE_PROCESSOR, **image_processor}, indent=2) + "\n")
+
+
+def build_tiny(out=TINY_DIR, seed: int = 0) -> None:
+    """The embedded checkpoint: GutenOCR-3B's config scaled down (same structure and eps), a BPE tokenizer
+    trained on the shipped corpus, random weights from `seed`, the sample images. Running it twice gives
+    identical files."""
+    write_vl_tiny(out, tiny_config_dict, "Qwen2_5_VLForConditionalGeneration", {}, seed)
+    _render_sample_image(Path(out) / "sample.png")
     _render_document_image(DOCUMENT_IMAGE)
 
 
@@ -265,5 +286,5 @@ def _render_document_image(path: Path) -> None:
 
 
 FAMILY = Family(name="qwen2_5_vl", model_types=("qwen2_5_vl",), multimodal=True, load=load, tiny_dir=TINY_DIR,
-                build_tiny=build_tiny, images=IMAGES, calibration_prompts=CALIBRATION_PROMPTS,
+                build_tiny=build_tiny, random_model=random_model, images=IMAGES, calibration_prompts=CALIBRATION_PROMPTS,
                 w8a8_linears=_W8A8_LINEARS, w8a8_own_input=_W8A8_OWN_INPUT, legacy_names=LEGACY_NAMES)
