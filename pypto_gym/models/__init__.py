@@ -1,13 +1,13 @@
 """Model families: what pypto-gym knows per family (a `Family`, models/family.py), one module each, found from
-`config.model_type`. Families: Qwen2.5-VL (with GutenOCR-3B), Qwen2-VL, Qwen3, Llama.
+`config.model_type`. Families: Qwen2.5-VL (with GutenOCR-3B), Qwen2-VL, Qwen3-VL, Qwen3, Llama.
 """
 from __future__ import annotations
 
-from . import llama, qwen2_5_vl, qwen2_vl, qwen3
+from . import llama, qwen2_5_vl, qwen2_vl, qwen3, qwen3_vl
 from .common import model_type
 from .family import Family
 
-FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in (qwen2_5_vl, qwen2_vl, qwen3, llama)}
+FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in (qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3, llama)}
 DEFAULT = qwen2_5_vl.FAMILY  # the embedded checkpoint the scripts run without --model
 
 
