@@ -5,8 +5,9 @@
     python scripts/capture_cases.py --into DIR       # write them elsewhere (tests compare those with the committed)
 
 Each file is the `pypto-gym capture` (and `calibrate`) commands below, run into a fresh file: the committed
-cases are what capture writes now, and tests/test_capture.py fails when one is not. The GutenOCR-3B files use
-random weights at its real dimensions (2 text layers, 2 vision blocks) and need native bf16 to run in minutes.
+cases are what capture writes now, and tests/test_capture.py fails when one is not. The GutenOCR-3B and Qwen3-VL-2B
+files use random weights at their real dimensions (2 text layers; 2 and 6 vision blocks) and need native bf16 to run in
+minutes.
 """
 import sys
 import tempfile
@@ -17,6 +18,8 @@ sys.path.insert(0, str(ROOT))
 
 GUTENOCR = ["--config", str(ROOT / "modeling/gutenocr_3b/config.json"), "--num-layers", "2", "--vision-depth", "2",
             "--dtype", "bfloat16"]
+QWEN3_VL_2B = ["--config", str(ROOT / "modeling/qwen3_vl_2b/config.json"), "--num-layers", "2", "--vision-depth", "6",
+               "--dtype", "bfloat16"]  # six blocks: the first DeepStack tap (after block 5) is among them
 W8A8 = ["--use_pto", "--backend", "cpu", "--quant", "w8a8", "--calibration", "{tmp}/gutenocr_3b_2l_smooth.safetensors"]
 RECIPES = {  # file -> the commands (argv of `pypto-gym`) that write it; {out} is the file, {tmp} a scratch folder
     "tiny_qwen2_5_vl.json": [["capture", "--model", str(ROOT / "modeling/tiny_qwen2_5_vl"), "--dtype", "bfloat16",
@@ -25,6 +28,9 @@ RECIPES = {  # file -> the commands (argv of `pypto-gym`) that write it; {out} i
                          "--model-name", "tiny_qwen3", "--out", "{out}"]],
     "tiny_llama.json": [["capture", "--model", str(ROOT / "modeling/tiny_llama"), "--dtype", "bfloat16",
                          "--model-name", "tiny_llama", "--out", "{out}"]],
+    "tiny_qwen3_vl.json": [["capture", "--model", str(ROOT / "modeling/tiny_qwen3_vl"), "--dtype", "bfloat16",
+                            "--model-name", "tiny_qwen3_vl", "--out", "{out}"]],
+    "qwen3_vl_2b.json": [["capture", *QWEN3_VL_2B, "--model-name", "qwen3_vl_2b", "--out", "{out}"]],
     "gutenocr_3b.json": [["capture", *GUTENOCR, "--model-name", "gutenocr_3b", "--out", "{out}"],
                          ["capture", *GUTENOCR, "--model-name", "gutenocr_3b", "--out", "{out}", "--batch-size", "2"]],
     "gutenocr_3b_w8a8.json": [

@@ -326,18 +326,21 @@ def _capture_cases():
     return module
 
 
+REAL_DIMS = ("gutenocr", "qwen3_vl_2b")  # case files captured at a real model's dimensions (random weights)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.integration) if n.startswith("gutenocr") else n
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.integration) if n.startswith(REAL_DIMS) else n
                                   for n in _capture_cases().RECIPES])
 def test_a_committed_case_file_is_what_capture_writes_now(name, tmp_path):
     """tests/cases/*.json are captured, not edited: scripts/capture_cases.py's recipe for each, run now, writes the
     committed file byte for byte (a capture whose sites, counts or arguments changed makes the committed cases
-    stale, and this fails until they are captured again). The tiny models' recipes run in command 2; GutenOCR-3B's
-    (a minute and more each, the same capture at real dimensions) in CI's second step (`integration`)."""
+    stale, and this fails until they are captured again). The tiny models' recipes run in command 2; those at real
+    dimensions (a minute and more each, the same capture) in CI's second step (`integration`)."""
     from pypto_gym import hardware
 
-    if name.startswith("gutenocr") and not hardware.native_bf16():
-        pytest.skip("GutenOCR-3B's bf16 captures need native bf16 to run in minutes (AVX512-BF16 or AMX)")
+    if name.startswith(REAL_DIMS) and not hardware.native_bf16():
+        pytest.skip("bf16 captures at real dimensions need native bf16 to run in minutes (AVX512-BF16 or AMX)")
     if int(transformers.__version__.split(".")[0]) < 5:
         pytest.skip("the committed cases are captured with transformers 5.x (4.57 hands MRoPE over unmerged)")
     _capture_cases().capture(name, tmp_path / name)
