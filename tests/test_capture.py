@@ -249,11 +249,13 @@ def test_a_case_file_written_before_the_op_definitions_still_runs(backend):
 
 
 def test_committed_case_files_exist():
-    """GutenOCR-3B's real dimensions for every fused op, prefill and decode; each first-class family's file."""
+    """GutenOCR-3B's and Qwen3-VL-2B's real dimensions for every fused op, prefill and decode; each first-class
+    family's file."""
     names = {p.name for p in CASE_FILES}
     from pypto_gym.models import tiny_families
 
-    assert {f"{f.tiny_dir.name}.json" for f in tiny_families()} | {"gutenocr_3b.json", "gutenocr_3b_w8a8.json"} <= names
+    assert {f"{f.tiny_dir.name}.json" for f in tiny_families()} | {"gutenocr_3b.json", "gutenocr_3b_w8a8.json",
+                                                                    "qwen3_vl_2b.json"} <= names
     guten = load_cases(ROOT / "tests" / "cases" / "gutenocr_3b.json")
     widths = {}
     for c in guten:
@@ -268,6 +270,12 @@ def test_committed_case_files_exist():
         w8a8.setdefault(c["op"], set()).add(c["args"][0].shape[-1])
     assert w8a8["dequant_swiglu_quant"] == {2 * 11008, 2 * 3420}  # every MLP: one int32 GEMM -> down_proj's rows
     assert w8a8["dynamic_quant"] == {2048, 1280, 5120}  # o_proj, vision attn.proj, the merger's linears
+    qwen3_vl = {}
+    for c in load_cases(ROOT / "tests" / "cases" / "qwen3_vl_2b.json"):  # Qwen3-VL-2B's real dimensions
+        qwen3_vl.setdefault(c["op"], set()).add(c["args"][0].shape[-1])
+    assert qwen3_vl["layer_norm"] == {1024, 4096}  # the blocks' and merger's norms; the DeepStack merger's, shuffled
+    assert qwen3_vl["varlen_attention"] == qwen3_vl["rope"] == {64}  # the vision head dim FIA pads to 128
+    assert qwen3_vl["qk_norm_rope"] == {128} and qwen3_vl["swiglu"] == {6144} and qwen3_vl["rms_norm"] == {2048}
 
 
 CASES = [(p, c) for p in CASE_FILES for c in load_cases(p)]

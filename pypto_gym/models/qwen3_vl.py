@@ -60,7 +60,7 @@ def random_model(config_path=QWEN3_VL_2B_CONFIG, num_layers: int | None = None, 
         vc = raw["vision_config"]
         vc["depth"] = vision_depth
         vc["deepstack_visual_indexes"] = [i for i in vc.get("deepstack_visual_indexes", []) if i < vision_depth]
-    processor = qwen2_5_vl.Processor(qwen2_5_vl.TINY_DIR)
+    processor = qwen2_5_vl.Processor(TINY_DIR)  # the embedded tokenizer, and the image processor at patch 16
     ids = processor.token_ids()
     raw.update({k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")})
     raw["text_config"].update({k: ids[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
