@@ -1,6 +1,9 @@
 """Qwen3-VL, patched: a tiny random Qwen3-VL (LayerNorms with a bias and a GELU MLP in the vision tower, full
 attention per image, DeepStack features added into the first decoder layers, interleaved MRoPE, Qwen3's q/k norms)
-runs every site kind it has on the fused ops, strict, with greedy tokens and logits as unpatched."""
+runs every site kind it has on the fused ops, strict, with greedy tokens and logits as unpatched; and the family
+(models/qwen3_vl.py): its tiny checkpoint through the main job, W8A8 and both export formats."""
+import re
+
 import pytest
 import torch
 
@@ -86,3 +89,96 @@ def test_a_fused_add_norm_does_not_swallow_the_deepstack_add():
             assert torch.equal(_run(model, inputs)[1], want)
         finally:
             pypto_gym.unpatch_model(model)
+
+
+# ---- the family: its tiny checkpoint, the main job, W8A8 and both export formats -------------------------------------
+def _logits(model, batch):
+    with torch.no_grad():
+        return model(**batch).logits.float()
+
+
+def test_the_tiny_checkpoint_runs_the_main_job_with_every_site_kind_patched(capsys):
+    """`pypto-gym infer --model modeling/tiny_qwen3_vl --use_pto` runs as command 1 does on Qwen2.5-VL: the family is
+    found from config.json, the sample image goes through the vision tower, every site patched, nothing fell back."""
+    from pypto_gym.cli import main
+    from pypto_gym.models import qwen3_vl
+
+    assert main(["infer", "--model", str(qwen3_vl.TINY_DIR), "--use_pto", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    report = out[out.index("pypto-gym patch report:"):].splitlines()[0]
+    for label in ("norm", "mlp", "rope", "qk-norm+rope", "vision attention", "text attention", "patch embedding",
+                  "layer norm"):
+        counts = re.search(rf"(\d+)/(\d+) {re.escape(label)} sites patched", report)
+        assert counts and counts[1] == counts[2] and int(counts[2]) > 0, (label, report)
+    assert "fallbacks=0" in report
+
+
+@pytest.fixture(scope="module")
+def quantised():
+    """The tiny Qwen3-VL checkpoint in fp32 with dynamic W8A8, an image batch, its float and W8A8 logits."""
+    from pypto_gym import models
+    from pypto_gym.inference import open_image
+    from pypto_gym.quant import W8A8, quantize
+
+    family = models.FAMILIES["qwen3_vl"]
+    model, processor = family.load(family.tiny_dir, "float32")
+    batch = processor([family.calibration_prompts[0]], [open_image(family.images[0])], model)
+    want = _logits(model, batch)
+    report = quantize(model, W8A8())
+    return family, model, processor, batch, want, _logits(model, batch), report.to_json()["w8a8"]
+
+
+def test_w8a8_runs_every_decoder_linear_int8_and_keeps_the_vision_tower_float(quantised):
+    """Dynamic W8A8 of the tiny Qwen3-VL: every decoder linear int8, its norms and MLPs handing over int8 rows (the
+    DeepStack adds between the first layers included), the vision tower float (its LayerNorms hand over none, said
+    per linear); logits close to the float model's."""
+    family, model, _, _, want, got, q = quantised
+    text = [r for r in q["linears"] if ".language_model." in r["path"]]
+    assert q["summary"]["int8"] == len(text) == 7 * model.config.text_config.num_hidden_layers
+    assert q["summary"]["fallbacks"] == 0 and all(r["calls"] >= 1 for r in text)
+    for r in text:
+        fed = r["input"].startswith("int8 rows from")
+        assert (r["handed_over"] if fed else r["quantized_here"]) == r["calls"], r
+    cos = torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1))
+    assert float(cos.min()) > 0.99, float(cos.min())
+
+
+def test_both_export_formats_load_back_bit_for_bit(quantised, tmp_path):
+    """Each export format loads back through export.load (transformers 5.x) with the quantised model's logits bit for
+    bit, and transformers (through compressed-tensors) loads the compressed-tensors export."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("export.load builds the model as transformers 5.x does (tests/test_export.py runs on 5.x only)")
+    from transformers import AutoModelForImageTextToText
+
+    from pypto_gym.quant import export
+
+    family, model, processor, batch, _, got, _ = quantised
+    for fmt in export.FORMATS:
+        wrote = export.save(model, tmp_path / fmt, processor, fmt)
+        assert len(wrote["int8"]) == 7 * model.config.text_config.num_hidden_layers
+        assert any(".visual." in p for p in wrote["ignore"])
+        loaded, _, loaded_family, _ = export.load(tmp_path / fmt, backend="cpu", dtype="float32")
+        assert loaded_family is family and torch.equal(_logits(loaded, batch), got), fmt
+    hf = AutoModelForImageTextToText.from_pretrained(tmp_path / "compressed-tensors", dtype=torch.float32)
+    cos = torch.nn.functional.cosine_similarity(_logits(hf, batch).flatten(1), got.flatten(1))
+    assert float(cos.min()) > 0.99, float(cos.min())
+
+
+def test_capture_builds_random_weights_at_qwen3_vl_2b_dimensions(tmp_path):
+    """`capture --config modeling/qwen3_vl_2b/config.json` (what the qwen3_vl_2b.json recipe runs, with fewer layers):
+    the family's random_model at the published dimensions, driven by the embedded tokenizer and Qwen3-VL's patch-16
+    image processor."""
+    from pypto_gym.capture import load_cases
+    from pypto_gym.cli import main
+    from pypto_gym.models import qwen3_vl
+
+    out = tmp_path / "cases.json"
+    assert main(["capture", "--config", str(qwen3_vl.QWEN3_VL_2B_CONFIG), "--num-layers", "1", "--vision-depth", "1",
+                 "--out", str(out)]) == 0
+    widths = {}
+    for c in load_cases(out):
+        widths.setdefault(c["op"], set()).add(c["args"][0].shape[-1])
+    assert widths["layer_norm"] == {1024} and widths["varlen_attention"] == {64}  # no DeepStack tap in one block
+    assert widths["qk_norm_rope"] == {128} and widths["swiglu"] == {6144}
