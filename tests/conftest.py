@@ -103,22 +103,28 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_collection_finish(session):
-    """tests/test_cpu_kernels.py runs every op at every level this CPU runs, each level one single-threaded compile
-    of ~40 s into the session's cache. When it is collected, one process builds them all while the first tests
-    (RUN_FIRST) run: the best level first (what every other test loads), then avx2 (the AVX2-only machines' level,
-    which tests/test_cli.py's as_avx2 run loads), then the others. A test reaching a level first waits on that
-    build's lock, then loads it."""
+    """tests/test_cpu_kernels.py runs every op at the levels selected (command 2: the best this CPU runs and avx2;
+    `-m integration`: the others), each level one single-threaded compile of ~40 s into the session's cache. When
+    it is collected, one process builds them while the first tests (RUN_FIRST) run: the best level first (what
+    every other test loads), then avx2 (the AVX2-only machines' level, which tests/test_cli.py's as_avx2 run
+    loads), then the others. A test reaching a level first waits on that build's lock, then loads it."""
     import subprocess
     import sys
 
-    if XDIST_WORKER not in (None, "gw0") or not any(item.nodeid.startswith("tests/test_cpu_kernels.py")
-                                                    for item in session.items):
+    if XDIST_WORKER not in (None, "gw0"):
         return
     from pypto_gym import hardware
 
     best = hardware.best_isa()
-    levels = sorted((isa for isa, _ in hardware.ISA_LEVELS if hardware.supports_isa(isa)),
+    selected = set()  # the levels the selected tests of test_cpu_kernels.py run on
+    for item in session.items:
+        spec = getattr(item, "callspec", None)
+        if item.nodeid.startswith("tests/test_cpu_kernels.py") and spec is not None and "kernel" in spec.params:
+            selected.add(spec.params["kernel"])
+    levels = sorted((isa for isa in selected | ({best} if selected else set()) if hardware.supports_isa(isa)),
                     key=lambda isa: (isa != best, isa != "avx2"))
+    if not levels:
+        return
     code = ("import sys\nfrom pypto_gym.kernels.cpu import backend as cpu\n"
             "for isa in sys.argv[1:]:\n    cpu.build(isa)\n")
     _LEVEL_BUILDS.append(subprocess.Popen([sys.executable, "-c", code, *levels], stdout=subprocess.DEVNULL,
