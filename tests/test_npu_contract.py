@@ -635,6 +635,27 @@ def test_npu_mrope_takes_the_documented_sections_and_head_sizes(npu):
         torch_npu_standin.npu_mrope(narrow[0], narrow[1].float(), narrow[2].float(), narrow[3].float(), 24)
 
 
+def test_npu_mrope_converts_a_16_bit_cos_sin_cache_once_per_version(npu, monkeypatch):
+    """npu_mrope is called in fp32 (its page's multiples of 16 are fp32's): the model's whole cos/sin cache was cast
+    per call (issue 47: max_positions x rotary_dim elements a decode step). One fp32 copy per cache, made again
+    after an in-place update; the results stay the golden's."""
+    op = OPS["rotary_embedding"]
+    args = list(op.example_args({"P": (3,), "T": 6, "Q": (2 * 128,), "K": (2 * 128,), "M": 24, "E": 128,
+                                 "head_size": 128, "cast_mode": "fp32", "dtype": torch.bfloat16,
+                                 "cos_sin_cache_dtype": torch.bfloat16, "mrope_section": [24, 20, 20]}))
+    cache = args[3]
+    assert cache.dtype == torch.bfloat16 and npu.supports("rotary_embedding", *args) is None
+    sent, real = [], torch_npu_standin.npu_mrope
+    monkeypatch.setattr(torch_npu_standin, "npu_mrope", lambda *a, **k: sent.append(a[3]) or real(*a, **k))
+    for _ in range(3):
+        assert_close(npu.rotary_embedding(*args), op.golden(*args), op.outputs)
+    assert len(sent) == 3 and sent[0] is sent[1] is sent[2] and sent[0].dtype == torch.float32
+    with torch.no_grad():
+        cache.mul_(0.5)
+    assert_close(npu.rotary_embedding(*args), op.golden(*args), op.outputs)
+    assert sent[3] is not sent[0] and torch.equal(sent[3], cache.float())
+
+
 def test_hf_norms_on_the_npu_make_their_unit_gamma_once(npu, monkeypatch):
     """hf mode normalises with a unit gamma and multiplies the real one in torch: it was built by torch.ones per call
     (an allocation and a fill launch per norm, issue 47). Made once per width, dtype and device."""

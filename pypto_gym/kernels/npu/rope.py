@@ -17,6 +17,8 @@ rope does not use npu_mrope: it gathers cos/sin from a position-indexed cache in
 hands the attention cos/sin already computed; MRoPE's section merge runs first (two cats, as 5.x does).
 rotary_embedding, whose cos/sin do come from such a cache, is npu_mrope.
 """
+import weakref
+
 import torch
 
 from ...ops.args import dtype_name
@@ -141,11 +143,27 @@ def _npu_rotary_supports(backend, positions, query, key, cache, head_size, mrope
     return None
 
 
+_FP32_CACHES: dict = {}  # id(cache) -> (its version, the fp32 copy, a weakref that drops the entry with the cache)
+
+
+def fp32_cache(cache: torch.Tensor) -> torch.Tensor:
+    """The cos/sin cache in fp32, converted once per cache and in-place version (a model's cache covers every
+    position: converting it per call was a copy of max_positions x rotary_dim elements at every decode step)."""
+    if cache.dtype == torch.float32:
+        return cache
+    key = id(cache)
+    held = _FP32_CACHES.get(key)
+    if held is None or held[2]() is not cache or held[0] != cache._version:
+        held = (cache._version, cache.float(), weakref.ref(cache, lambda _, key=key: _FP32_CACHES.pop(key, None)))
+        _FP32_CACHES[key] = held
+    return held[1]
+
+
 @ROTARY_EMBEDDING.impl("npu", supports=_npu_rotary_supports)
 def _(backend, positions, query, key, cos_sin_cache, head_size, mrope_section, cast_mode):
     T = positions.shape[-1]
     q2, k2 = (x.reshape(T, -1).float() for x in (query, key))
-    yq, yk = backend.torch_npu().npu_mrope(positions.to(torch.int64), q2, k2, cos_sin_cache.float(), head_size,
+    yq, yk = backend.torch_npu().npu_mrope(positions.to(torch.int64), q2, k2, fp32_cache(cos_sin_cache), head_size,
                                            mrope_section=list(mrope_section) or None)  # rotary_mode "half"
     return yq.to(query.dtype).reshape(query.shape), yk.to(key.dtype).reshape(key.shape)
 
