@@ -501,13 +501,13 @@ def test_bench_pypto_and_bench_layer_run_and_write_their_json(tmp_path):
     rows = data["rows"]
     assert len(rows) == 2 and all(r["est_npu_us"] > 0 and r["copy_us"] > 0 and r["unfused_us"] > 0 for r in rows)
     assert data["not_simulated"] == [cases[2]["id"]]  # the prefill MLP is above 4096 elements
-    assert main(["bench", "layer", "--tokens", "4", "--vision-tokens", "16", "--kv", "64,300", "--json",
+    assert main(["bench", "layer", "--tokens", "4", "--vision-tokens", "16", "--kv", "64,128", "--json",
                  str(tmp_path / "l.json"), "--png", str(tmp_path / "l.png")]) == 0
     assert (tmp_path / "l.png").stat().st_size > 0
     layer = json.loads((tmp_path / "l.json").read_text())
-    assert sorted(layer["decode_token"]) == ["300", "64"] and all(g.startswith("PASS") for g in layer["goals"])
+    assert sorted(layer["decode_token"]) == ["128", "64"] and all(g.startswith("PASS") for g in layer["goals"])
     parts = layer["parts"]
-    assert [p["kv"] for p in parts.values()] == [0, 64, 300, 0]  # prefill, a decode step per KV length, vision
+    assert [p["kv"] for p in parts.values()] == [0, 64, 128, 0]  # prefill, a decode step per KV length, vision
     for title, part in parts.items():
         windows = [r for r in part["rows"] if r["fused_op"].startswith("attention")]  # a vision block's windows
         full = [r for r in part["rows"] if r.get("full_blocks_only")]  # a full-attention block's one window
