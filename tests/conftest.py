@@ -94,12 +94,18 @@ def pytest_xdist_auto_num_workers(config):
 # ---- the kernel levels, built while the first tests run ----------------------------------------------------------
 _LEVEL_BUILDS: list = []
 RUN_FIRST = ("tests/test_pypto.py",)  # no cpu kernel: what the workers run while the levels build
+# then the files whose tests take tens of seconds each, so that none of them is left alone at the end of a worker's
+# share while the other worker is done (the thousands of short tests after them even the two out)
+RUN_EARLY = ("tests/test_compile.py", "tests/test_bench.py", "tests/test_tp.py", "tests/test_readme.py",
+             "tests/test_qwen3_vl.py", "tests/test_vllm.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The tests that need no cpu kernel first (stable otherwise; every worker collects the same order), so the
-    workers' first minutes are not spent waiting on the kernel builds."""
-    items.sort(key=lambda item: not item.nodeid.startswith(RUN_FIRST))
+    """The tests that need no cpu kernel first, then the slow files, then the rest (stable within each; every
+    worker collects the same order), so the workers' first minutes are not spent waiting on the kernel builds and
+    their last ones not on one long test."""
+    items.sort(key=lambda item: 0 if item.nodeid.startswith(RUN_FIRST) else 1 if item.nodeid.startswith(RUN_EARLY)
+               else 2)
 
 
 def pytest_collection_finish(session):

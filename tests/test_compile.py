@@ -48,8 +48,13 @@ def loaded():
     return load
 
 
+# command 2: each family, each quant mode and both dtypes at least once; the other combinations (the same compile
+# paths, ~10 s each) in CI's second step (`integration`)
+FAST = {("qwen3", None, "bfloat16"), ("llama", "w8a8", "bfloat16"), ("qwen2_5_vl", None, "bfloat16"),
+        ("qwen2_5_vl", "w8a8", "float32")}
 CASES = [(name, quant, "bfloat16") for name in ("qwen3", "llama", "qwen2_5_vl") for quant in (None, "w8a8")]
 CASES += [("qwen3", None, "float32"), ("qwen2_5_vl", "w8a8", "float32")]
+CASES = [case if case in FAST else pytest.param(*case, marks=pytest.mark.integration) for case in CASES]
 
 
 @pytest.mark.parametrize("name,quant,dtype", CASES)
