@@ -100,12 +100,12 @@ def test_every_shipped_tiny_checkpoint_names_its_architecture(name, tmp_path):
     import transformers
 
     assert cli_main(["make-tiny-model", "--family", name, "--out", str(tmp_path / "tiny")]) == 0
-    for f in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        assert (tmp_path / "tiny" / f).read_bytes() == (family.tiny_dir / f).read_bytes(), f
+    assert (tmp_path / "tiny" / "model.safetensors").read_bytes() == (family.tiny_dir / "model.safetensors").read_bytes()
     if transformers.__version__ != shipped.get("transformers_version"):
-        pytest.skip(f"the shipped config.json was written by transformers {shipped.get('transformers_version')}; this "
-                    f"is {transformers.__version__} (which may spell its fields otherwise); weights and tokenizer equal")
-    assert (tmp_path / "tiny" / "config.json").read_bytes() == (family.tiny_dir / "config.json").read_bytes()
+        pytest.skip(f"the shipped files were written by transformers {shipped.get('transformers_version')}; this is "
+                    f"{transformers.__version__} (its config and tokenizer files are spelled otherwise); weights equal")
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "tiny" / f).read_bytes() == (family.tiny_dir / f).read_bytes(), f
 
 
 def test_make_tiny_model_refuses_a_non_empty_out(tmp_path, capsys):
