@@ -21,9 +21,10 @@ class Family:
 
     `load(path, dtype, device) -> (model, processor)`; `build_tiny(out)` writes the tiny checkpoint shipped in
     `tiny_dir` (None: the family ships none); `random_model(config_path, num_layers, vision_depth, dtype) -> (model,
-    processor)` builds one at a real config's dimensions with random weights (`--config`; None: not for this family). `w8a8_linears`: norm kind -> linears (relative to the norm's parent)
-    that read its rows; `w8a8_own_input`: linear path suffix -> (where its smooth scale folds, fold kind) or None
-    (quant/fold.py). `legacy_names`: regex renames of older checkpoint tensor names to module paths."""
+    processor)` builds one at a real config's dimensions with random weights (`--config`; None: not for this
+    family). `w8a8_linears`: norm kind -> linears (relative to the norm's parent) that read its rows;
+    `w8a8_own_input`: linear path suffix -> (where its smooth scale folds, fold kind) or None (quant/fold.py).
+    `legacy_names`: regex renames of older checkpoint tensor names to module paths."""
 
     name: str
     model_types: tuple[str, ...]
