@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pypto_gym.cli import main  # noqa: E402
+from pypto_gym.cli import run  # noqa: E402
 
 if __name__ == "__main__":
-    raise SystemExit(main(["make-tiny-model", *sys.argv[1:]]))
+    run(["make-tiny-model", *sys.argv[1:]])
