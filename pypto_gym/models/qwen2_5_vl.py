@@ -286,5 +286,6 @@ def _render_document_image(path: Path) -> None:
 
 
 FAMILY = Family(name="qwen2_5_vl", model_types=("qwen2_5_vl",), multimodal=True, load=load, tiny_dir=TINY_DIR,
-                build_tiny=build_tiny, random_model=random_model, images=IMAGES, calibration_prompts=CALIBRATION_PROMPTS,
+                build_tiny=build_tiny, random_model=random_model, images=IMAGES,
+                calibration_prompts=CALIBRATION_PROMPTS,
                 w8a8_linears=_W8A8_LINEARS, w8a8_own_input=_W8A8_OWN_INPUT, legacy_names=LEGACY_NAMES)

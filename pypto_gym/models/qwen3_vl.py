@@ -62,7 +62,8 @@ def random_model(config_path=QWEN3_VL_2B_CONFIG, num_layers: int | None = None, 
         vc["deepstack_visual_indexes"] = [i for i in vc.get("deepstack_visual_indexes", []) if i < vision_depth]
     processor = qwen2_5_vl.Processor(TINY_DIR)  # the embedded tokenizer, and the image processor at patch 16
     ids = processor.token_ids()
-    raw.update({k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")})
+    raw.update({k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                    "vision_end_token_id")})
     raw["text_config"].update({k: ids[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
     return qwen2_5_vl.build_random(raw, "Qwen3VLForConditionalGeneration", dtype, seed), processor
 
@@ -73,4 +74,5 @@ def build_tiny(out=TINY_DIR, seed: int = 0) -> None:
 
 
 FAMILY = Family(name="qwen3_vl", model_types=("qwen3_vl",), multimodal=True, load=load, tiny_dir=TINY_DIR,
-                build_tiny=build_tiny, random_model=random_model, images=qwen2_5_vl.IMAGES, calibration_prompts=qwen2_5_vl.CALIBRATION_PROMPTS)
+                build_tiny=build_tiny, random_model=random_model, images=qwen2_5_vl.IMAGES,
+                calibration_prompts=qwen2_5_vl.CALIBRATION_PROMPTS)

@@ -1,11 +1,12 @@
 """The RMSNorm rule: every module that computes HF's RMSNorm becomes a `rms_norm` site.
 
 A module is a candidate when it has a 1-D `weight`, no bias of that width (an RMSNorm has none: a
-LayerNorm's is the layer_norm rule's) and an eps attribute (`variance_epsilon` or `eps`). A semantic probe then runs the module's own forward on a small random input, on the
-module's own device with its own weight (nothing moved or copied), and compares it with the `hf`
-RMSNorm formula: remote-code norms with other class names pass, and look-alikes with other math
-(Gemma's `1 + weight`, a LayerNorm without a bias) are skipped with the reason. Modules on the meta device cannot be
-run, so they are classified by class name and attributes.
+LayerNorm's is the layer_norm rule's) and an eps attribute (`variance_epsilon` or `eps`). A semantic
+probe then runs the module's own forward on a small random input, on the module's own device with its
+own weight (nothing moved or copied), and compares it with the `hf` RMSNorm formula: remote-code
+norms with other class names pass, and look-alikes with other math (Gemma's `1 + weight`, a
+LayerNorm without a bias) are skipped with the reason. Modules on the meta device cannot be run, so
+they are classified by class name and attributes.
 
 The site keeps the original Parameter (no copy; state_dict keys and `save_pretrained` output
 unchanged). A fused layer (residual.py) calls `add_norm(norm, hidden, residual)` where the original

@@ -97,8 +97,8 @@ def check(where: str, path: Path, config_json: dict, tensors: dict) -> bool:
     run another scheme as this one)."""
     qc = config_json.get("quantization_config")
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
-        raise ValueError(f"{where}: quantization_config.quant_method "
-                         f"{None if not isinstance(qc, dict) else qc.get('quant_method')!r}; expected 'compressed-tensors'")
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        raise ValueError(f"{where}: quantization_config.quant_method {method!r}; expected 'compressed-tensors'")
     if qc.get("format") not in ("int-quantized", "naive-quantized"):
         raise ValueError(f"{where}: quantization_config.format {qc.get('format')!r}; expected 'int-quantized'")
     for key in _EMPTY_OR_NONE:

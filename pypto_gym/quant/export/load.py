@@ -177,8 +177,9 @@ def _check_weight_scale(where: str, lin: str, w_q, w_scale, dtype) -> None:
     limit = torch.finfo(dtype).max ** 0.5  # weight x activation: each may take half of the dtype's range
     largest = float(w_scale.max()) * 127 if w_scale.numel() else 0.0
     if largest > limit:
-        raise ValueError(f"{name}: a dequantised weight of up to {largest:.3g} overflows {str(dtype).replace('torch.', '')} "
-                         f"in a product with the activations (expected |127 * scale| <= {limit:.3g})")
+        raise ValueError(f"{name}: a dequantised weight of up to {largest:.3g} overflows "
+                         f"{str(dtype).replace('torch.', '')} in a product with the activations (expected "
+                         f"|127 * scale| <= {limit:.3g})")
     if not w_q.any() or not w_scale.any():
         warnings.warn(f"{where}: int8 linear {lin} is all zeros (its weight or every scale): it outputs its bias only",
                       RuntimeWarning, stacklevel=3)
