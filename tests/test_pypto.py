@@ -154,6 +154,24 @@ def test_decoder_attention_prefill_in_chunks_of_gqa_rows_and_key_tiles(monkeypat
         assert_close(out, op.golden(q, k, v, D ** -0.5, True), op.outputs)
 
 
+def test_fp32_attention_runs_the_key_tile_the_chip_holds(monkeypatch):
+    """fp32 operands at head dim 128: P V's L0B (64 KiB on A2/A3) holds 128 keys, not 256, so a decode step over 300
+    keys runs 3 key tiles of 128, verified at the compiled level and within precision of sdpa."""
+    budgets, launch = [], pypto_backend.PyptoBackend.launch
+
+    def spy(self, *args, budget=None, **kwargs):
+        budgets.append(budget)
+        return launch(self, *args, budget=budget, **kwargs)
+
+    monkeypatch.setattr(pypto_backend.PyptoBackend, "launch", spy)
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = torch.randn(1, 4, 1, 128, generator=gen), *(torch.randn(1, 2, 300, 128, generator=gen) for _ in "kv")
+    out = run("decoder_attention", q, k, v, 128 ** -0.5, False)
+    assert [(mm.k, mm.n) for mm in budgets[0].matmuls] == [(128, 128), (128, 128)], budgets
+    op = ops.OPS["decoder_attention"]
+    assert_close(out, op.golden(q, k, v, 128 ** -0.5, False), op.outputs)
+
+
 def test_decoder_attention_declines_a_query_row_that_sees_no_key():
     """A mask row with no key allowed (sdpa's answer there is not a softmax): the fallback with the reason
     counted; strict mode raises naming it."""

@@ -23,6 +23,12 @@ def _as4(x, n, u):
         return x.reshape(shape), False
 
 
+def heads_dim(q, cos, mrope_section, unsqueeze_dim) -> int:
+    """Which dim of q holds its heads (cos/sin broadcast over it, at HF's `unsqueeze_dim`)."""
+    n = len(merged_shape(cos, mrope_section)) + 1
+    return unsqueeze_dim % n + q.dim() - n
+
+
 class Layout:
     """One call in the layout every kernel reads: q and k as [O, H, I, D] (views for every layout HF hands
     over) and cos/sin as [P, Oc, I, E], P = 3 MRoPE planes or 1, Oc = O, or 1 when cos is shared across
@@ -39,7 +45,7 @@ class Layout:
         self.copied = not (q_view and k_view)
         self.O, self.Hq, self.I, self.D = self.q.shape
         self.Hk = self.k.shape[1]
-        a = u + q.dim() - n  # q's heads dim
+        a = heads_dim(q, cos, mrope_section, unsqueeze_dim)
         outer, inner = tuple(merged[:u]), tuple(merged[u:-1])
         q_outer, q_inner = tuple(q.shape[:a]), tuple(q.shape[a + 1:-1])
         self.E = E = cos.shape[-1]

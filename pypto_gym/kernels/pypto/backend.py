@@ -39,13 +39,11 @@ import torch
 from ... import files
 from ...ops import registry
 from ...ops.registry import Backend, register
+from .budget import A2A3, LIVE_FP32_TILES, Budget, BudgetError, problem
 
-UB_BYTES = 192 * 1024  # Ascend 910B unified buffer per vector core
-# Batched pypto.matmul (the attention kernels): (window or KV head, head) pairs per matmul and at most per launch
-# (64 pairs of 64 x 80 windows in one matmul verify too, at the same 51.2 us estimate as two of 32)
-MATMUL_PAIRS = 32
+UB_BYTES = A2A3.ub  # the unified buffer of an A2/A3 vector core
 MASKED = -1e30  # an additive score bias that masks a key (exp underflows to 0 in fp32)
-LIVE_FP32_ROWS = 3  # x, the normalised row and one temporary, all fp32, live in one tile
+LIVE_FP32_ROWS = LIVE_FP32_TILES  # x, the normalised row and one temporary, all fp32, live in one tile
 _SOURCES = [Path(__file__).with_name(n) for n in ("lib.py", "backend.py", "compat.py")]
 
 
@@ -179,15 +177,21 @@ class PyptoBackend(Backend):
         return self._kernels[key]
 
     def launch(self, name: str, factory, x: torch.Tensor, inputs: list, outputs: list, scalars: list,
-               tiles: "Tiles | None" = None, align: int = 16, kinds: tuple | None = None):
+               tiles: "Tiles | None" = None, align: int = 16, kinds: tuple | None = None,
+               budget: Budget | None = None):
         """Run kernel `name` (made by `factory(pypto)`) on 2-D `inputs`, writing `outputs` in place; tiles
         from the tuning table / the default rule for x's rows unless given. On CPU: record `last_run`,
         served from the result cache if this exact call was verified before. `kinds`: SPEC 5's kind of each output
-        for PyPTO's pass verification (precision.compare), None to judge by the dtype."""
+        for PyPTO's pass verification (precision.compare), None to judge by the dtype. `budget`: the launch's tiles
+        (default: the vector tile alone, LIVE_FP32_ROWS live), refused with BudgetError before anything compiles
+        where the chip cannot hold them (budget.py; an op's `supports` declines such calls first)."""
         from . import compat as pypto_compat
 
         R, D = x.numel() // x.shape[-1], x.shape[-1]
         tiles = tiles or tile_config(name, R, D, align)
+        why = problem(budget or Budget(vector=tiles.shape))
+        if why:
+            raise BudgetError(f"pypto-gym: the {name} kernel's tiles do not fit the chip: {why}")
         args = (*inputs, *outputs, *scalars, *tiles.shape)
         if x.device.type == "npu":
             self._kernel(x.device.type, name, factory, tiles.nbuffer)(*args)

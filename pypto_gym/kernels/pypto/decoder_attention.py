@@ -11,9 +11,20 @@ from .attention import MAX_ROWS, key_tile, tiled_attention
 from .backend import MASKED
 
 
+def _pair_shape(q, k) -> tuple[int, int, int, int]:
+    """(tokens per pair, pairs per (batch, KV head), rows per pair padded to 16, head_dim padded to 16)."""
+    S, G = q.shape[2], q.shape[1] // k.shape[1]
+    St = max(1, min(S, MAX_ROWS // G))
+    return St, -(-S // St), -(-(St * G) // 16) * 16, -(-q.shape[3] // 16) * 16
+
+
 def _pypto_supports(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
     if q.shape[1] // k.shape[1] > MAX_ROWS:
         return f"{q.shape[1] // k.shape[1]} query heads per KV head: the kernel holds up to {MAX_ROWS} rows"
+    _, _, R, D16 = _pair_shape(q, k)
+    _, why = key_tile(k.shape[2], R, D16, q.element_size(), True)
+    if why:
+        return why
     if attn_mask is not None and attn_mask.device.type != "meta" and not bool(attn_mask.any(-1).all()):
         return "a query row that the mask lets attend to no key (sdpa's answer for it is not a softmax)"
     return backend.runs_on(q)
@@ -39,9 +50,8 @@ def _(backend, q, k, v, scale, is_causal, attn_mask, decode_gqa):
     Hkv = k.shape[1]
     G = Hq // Hkv
     bias, Skv = _row_bias(q, k, is_causal, attn_mask)
-    St = max(1, min(S, MAX_ROWS // G))  # tokens per pair
-    chunks = -(-S // St)
-    R, D16, tile = -(-(St * G) // 16) * 16, -(-D // 16) * 16, key_tile(Skv)
+    St, chunks, R, D16 = _pair_shape(q, k)
+    tile, _ = key_tile(Skv, R, D16, q.element_size(), True)
     S_pad = -(-Skv // tile) * tile
     # [B, Hkv, G, S, D] -> [B, Hkv, S, G, D]: a token's G heads on consecutive rows; tokens padded to whole chunks
     qt = q.reshape(B, Hkv, G, S, D).transpose(2, 3)

@@ -9,8 +9,9 @@ rotary_embedding runs the rope kernel on [T, H, D] views.
 import torch
 
 from ...ops.defs.rope import QK_NORM_ROPE, ROPE, ROTARY_EMBEDDING, cached_angles
-from ..rope_layout import Layout, angles_not_float, new_outputs, norm_args, pairwise
+from ..rope_layout import Layout, angles_not_float, heads_dim, new_outputs, norm_args, pairwise
 from .backend import UB_BYTES, Tiles
+from .budget import Budget, vector_problem
 
 LIVE_FP32 = 6  # x, its rotation, two products, the sum, the pass-through concat
 
@@ -22,6 +23,10 @@ def rope_tiles(T: int, H: int, D: int) -> Tiles:
     while rows * 2 * per_token <= UB_BYTES and rows < 8 and rows < T:
         rows *= 2
     return Tiles(rows, cols, heads=H)
+
+
+def _budget(T: int, H: int, D: int) -> Budget:
+    return Budget(vector=rope_tiles(T, H, D).shape, live=LIVE_FP32)
 
 
 def rope_kernel(pypto):
@@ -94,8 +99,14 @@ def _pypto_outputs(lay, outs):
     return views
 
 
-def _pypto_supports(backend, q, k, cos, *rest):
-    return backend.runs_on(q) or angles_not_float(cos)
+def _pypto_supports(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, *rest):
+    """A tile holds a token's heads whole: one token's q must fit the unified buffer."""
+    why = backend.runs_on(q) or angles_not_float(cos)
+    if why:
+        return why
+    H = q.shape[heads_dim(q, cos, mrope_section, unsqueeze_dim)]
+    too_wide = vector_problem((1, H, -(-q.shape[-1] // 16) * 16), LIVE_FP32)
+    return f"one token's {H} heads of {q.shape[-1]} (a tile holds them whole): {too_wide}" if too_wide else None
 
 
 @ROPE.impl("pypto", supports=_pypto_supports)
@@ -105,13 +116,15 @@ def _rope(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode):
         lay = Layout(q, k, cos, sin, mrope_section, unsqueeze_dim)
         x3, planes, sections = _pypto_inputs(lay, mrope_section)
         backend.launch("rope", rope_kernel, x3[0], [*x3, *planes], _pypto_outputs(lay, (oq, ok)),
-                       [int(cast_mode == "hf"), *sections], tiles=rope_tiles(x3[0].shape[0], lay.Hq, lay.D))
+                       [int(cast_mode == "hf"), *sections], tiles=rope_tiles(x3[0].shape[0], lay.Hq, lay.D),
+                       budget=_budget(x3[0].shape[0], lay.Hq, lay.D))
         lay.finish()
         return oq, ok
     return pairwise(q, k, cos, cast_mode, run)
 
 
-@QK_NORM_ROPE.impl("pypto", supports=lambda backend, q, k, qw, kw, cos, *rest: _pypto_supports(backend, q, k, cos))
+@QK_NORM_ROPE.impl("pypto", supports=lambda backend, q, k, qw, kw, cos, sin, sections, qe, ke, unsqueeze_dim, *rest:
+                   _pypto_supports(backend, q, k, cos, sin, sections, unsqueeze_dim))
 def _(backend, q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps, unsqueeze_dim, cast_mode):
     def run(q, k, which):
         qw, kw, qe, ke = norm_args(which, q_weight, k_weight, q_eps, k_eps)
@@ -124,7 +137,7 @@ def _(backend, q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps, 
         backend.launch("qk_norm_rope", qk_norm_rope_kernel, x3[0], [*x3, *weights, *planes],
                        _pypto_outputs(lay, (oq, ok)),
                        [int(cast_mode == "hf"), *sections, float(qe), float(ke), 1.0 / D],
-                       tiles=rope_tiles(x3[0].shape[0], lay.Hq, D))
+                       tiles=rope_tiles(x3[0].shape[0], lay.Hq, D), budget=_budget(x3[0].shape[0], lay.Hq, D))
         lay.finish()
         return oq, ok
     return pairwise(q, k, cos, cast_mode, run)

@@ -5,6 +5,7 @@ Tiles hold whole rows: a tile that cuts a row gives results PyPTO's own compiled
 """
 from ...ops.defs.swiglu import SILU_AND_MUL, SWIGLU
 from .backend import UB_BYTES, Tiles, rows
+from .budget import Budget, vector_problem
 
 LIVE_FP32 = 4  # gate, its sigmoid, their product, up
 
@@ -12,9 +13,9 @@ LIVE_FP32 = 4  # gate, its sigmoid, their product, up
 def swiglu_tiles(R: int, I: int) -> Tiles | None:
     """Whole rows, as many as fit the unified buffer (up to 4); None when one row does not fit."""
     cols = -(-I // 16) * 16
-    per_row = 4 * LIVE_FP32 * cols
-    if per_row > UB_BYTES:
+    if vector_problem((1, cols), LIVE_FP32):
         return None
+    per_row = 4 * LIVE_FP32 * cols
     rows_ = 1
     while rows_ < 4 and rows_ < R and 2 * rows_ * per_row <= UB_BYTES:
         rows_ *= 2
@@ -45,8 +46,9 @@ def _swiglu(backend, gate, up, cast_mode):
     y = SWIGLU.empty_outputs(gate, up, cast_mode)
     if gate.numel():
         I = gate.shape[-1]
+        tiles = swiglu_tiles(gate.numel() // I, I)
         backend.launch("swiglu", swiglu_kernel, gate, [rows(gate), rows(up)], [y.view(-1, I)],
-                       [int(cast_mode == "hf")], tiles=swiglu_tiles(gate.numel() // I, I))
+                       [int(cast_mode == "hf")], tiles=tiles, budget=Budget(vector=tiles.shape, live=LIVE_FP32))
     return y
 
 

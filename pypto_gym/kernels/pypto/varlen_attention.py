@@ -1,17 +1,20 @@
 """varlen_attention on the pypto backend.
 
 Each (window, head) pair padded to [L, D] (L and D rounded up to 16, padded keys masked by an additive
-bias, padded columns zero), then S = q k^T as one pypto.matmul whose cube tile holds the whole K (head_dim), the
-softmax on the vector unit in fp32, and P V as one pypto.matmul holding the whole K (the window), divided by the
-fp32 sum at the end; `hf` rounds the exps to the input dtype before P V (torch's flash attention, the golden),
-`fp32` keeps P V on fp32 operands (one rounding). Windows longer than PYPTO_MAX_WINDOW (a full-attention block)
-take attention.py's online softmax over key tiles.
+bias, padded columns zero) and laid out as rows (q, k, v [pairs x L, D], the bias [pairs, L]); per pair, 2-D views
+into S = q k^T as one pypto.matmul whose cube tile holds the whole K (head_dim), the softmax on the vector unit in
+fp32, and P V as one pypto.matmul holding the whole K (the window), divided by the fp32 sum; the pairs concatenated
+along rows with a tile that holds one pair whole (pypto.concat's rule). `hf` rounds the exps to the input dtype
+before P V (torch's flash attention, the golden), `fp32` keeps P V on fp32 operands (one rounding). Windows longer
+than PYPTO_MAX_WINDOW (a full-attention block), or whose whole-window tiles the chip cannot hold (fp32 operands at a
+wide head dim: budget.py), take attention.py's online softmax over key tiles.
 """
 import torch
 
 from ...ops.defs.varlen_attention import VARLEN_ATTENTION
 from .attention import MAX_ROWS, key_tile, tiled_attention
-from .backend import MASKED, MATMUL_PAIRS, RunInfo, Tiles, first_runs_here
+from .backend import MASKED, RunInfo, Tiles
+from .budget import Budget, Matmul, problem
 
 # Limits found on PyPTO 0.2.0's SIM (each a compile in its own process):
 PYPTO_MAX_WINDOW = 128  # a whole [L, L] fp32 score tile per pair; L 256 crashed PyPTO's compiler
@@ -23,53 +26,69 @@ def window_attention_kernel(pypto):
     from . import lib as pl
 
     def window_attention(q: pypto.Tensor(), k: pypto.Tensor(), v: pypto.Tensor(), bias: pypto.Tensor(),
-                         out: pypto.Tensor(), scale, pairs, round_exps, rows, cols):
-        B, L, D = q.shape[0], rows, cols
+                         out: pypto.Tensor(), scale, round_exps, rows, cols):
+        L, D, n = rows, cols, bias.shape[0]
         parts = []
-        for c in range(0, B, pairs):  # unrolled while tracing: one pypto.matmul per `pairs` (window, head) pairs
-            n = min(pairs, B - c)
-            qc = pypto.view(q, [n, L, D], [c, 0, 0])  # PyPTO's parser takes no generator expressions
-            kc = pypto.view(k, [n, L, D], [c, 0, 0])
-            vc = pypto.view(v, [n, L, D], [c, 0, 0])
+        for p in range(n):  # unrolled while tracing: two 2-D matmuls per (window, head) pair
+            qp = pypto.view(q, [L, D], [p * L, 0])  # PyPTO's parser takes no generator expressions
+            kp = pypto.view(k, [L, D], [p * L, 0])
+            vp = pypto.view(v, [L, D], [p * L, 0])
             pypto.set_cube_tile_shapes([L, L], [D, D], [L, L])  # m, k (= head_dim, whole), n
-            s = pypto.matmul(qc, kc, pl.FP32, b_trans=True)
-            pypto.set_vec_tile_shapes(1, L, L)
-            s = s * scale + pypto.view(bias, [n, 1, L], [c, 0, 0])
+            s = pypto.matmul(qp, kp, pl.FP32, b_trans=True)
+            pypto.set_vec_tile_shapes(L, L)
+            s = s * scale + pypto.view(bias, [1, L], [p, 0])
             e = pypto.exp(s - pypto.amax(s, -1, keepdim=True))
             total = pypto.sum(e, -1, keepdim=True)
             pypto.set_cube_tile_shapes([L, L], [L, L], [D, D])  # k = the window, whole
             if round_exps:  # hf: the exps in the input dtype, as torch's flash attention rounds them
-                o = pypto.matmul(pypto.cast(e, q.dtype), vc, pl.FP32)
+                o = pypto.matmul(pypto.cast(e, q.dtype), vp, pl.FP32)
             else:
-                o = pypto.matmul(e, pl.f32(vc), pl.FP32)
-            pypto.set_vec_tile_shapes(1, L, D)
+                o = pypto.matmul(e, pl.f32(vp), pl.FP32)
+            pypto.set_vec_tile_shapes(L, D)
             parts.append(o / total)
-        out[:] = pypto.cast(parts[0] if len(parts) == 1 else pypto.concat(parts, 0), out.dtype)
+        out[:] = pypto.cast(parts[0] if n == 1 else pypto.concat(parts, 0), out.dtype)
     return window_attention
 
 
+def window_budget(L: int, D16: int, in_bytes: int, round_exps: bool, pairs: int) -> Budget:
+    """The tiles one launch of the whole-window kernel sets."""
+    return Budget(matmuls=(Matmul("window attention's q k^T", L, D16, L, in_bytes),
+                           Matmul("window attention's P V", L, L, D16, in_bytes if round_exps else 4)),
+                  vector=(L, max(L, D16)), concat=pairs if pairs > 1 else 0)
+
+
 def _padded_pairs(q, k, v, windows, D16):
-    """q, k, v of these windows as [windows x heads, L, D16] (zeros past a window's end and past D) and the key
-    bias [windows x heads, 1, L] (0 on a window's keys, -1e30 past its end)."""
+    """q, k, v of these windows as rows [windows x heads x L, D16] (zeros past a window's end and past D) and the
+    key bias [windows x heads, L] (0 on a window's keys, -1e30 past its end)."""
     H, D = q.shape[1], q.shape[2]
     L = -(-max(b - a for a, b in windows) // 16) * 16
     padded = [t.new_zeros(len(windows) * H, L, D16) for t in (q, k, v)]
-    bias = torch.full((len(windows) * H, 1, L), MASKED, dtype=torch.float32, device=q.device)
+    bias = torch.full((len(windows) * H, L), MASKED, dtype=torch.float32, device=q.device)
     for j, (a, b) in enumerate(windows):
         for p, t in zip(padded, (q, k, v)):
             p[j * H:(j + 1) * H, :b - a, :D] = t[a:b].transpose(0, 1)
-        bias[j * H:(j + 1) * H, :, :b - a] = 0.0
-    return padded, bias
+        bias[j * H:(j + 1) * H, :b - a] = 0.0
+    return [p.reshape(-1, D16) for p in padded], bias, L
 
 
-def long_window_pairs(q, k, v, windows):
-    """Windows longer than PYPTO_MAX_WINDOW (a full-attention block's image) as attention.py's pairs: each
-    (window, chunk of 64 query rows, head) against the window's keys padded to whole tiles. Returns q [P, 64, D16],
-    k and v [P, S, D16], the key bias [P, 1, S], the key tile and the chunks [(window end, first row)] in pair
-    order (each chunk's H heads consecutive)."""
+def _whole_windows(q, windows, round_exps) -> bool:
+    """Whether these windows take the whole-window kernel: none longer than PYPTO_MAX_WINDOW, and its tiles fit."""
+    longest = -(-max(b - a for a, b in windows) // 16) * 16
+    D16, pairs = -(-q.shape[2] // 16) * 16, max(1, PYPTO_LAUNCH_PAIRS // q.shape[1]) * q.shape[1]
+    return longest <= PYPTO_MAX_WINDOW and problem(window_budget(longest, D16, q.element_size(), round_exps,
+                                                                 pairs)) is None
+
+
+def long_window_pairs(q, k, v, windows, round_exps=True):
+    """Windows for attention.py's online softmax (longer than PYPTO_MAX_WINDOW, a full-attention block's image, or
+    too wide for the whole-window kernel's tiles) as its pairs: each (window, chunk of 64 query rows, head) against
+    the window's keys padded to whole tiles. Returns q [P, 64, D16], k and v [P, S, D16], the key bias [P, 1, S],
+    the key tile and the chunks [(window end, first row)] in pair order (each chunk's H heads consecutive)."""
     H, D = q.shape[1], q.shape[2]
     D16, longest = -(-D // 16) * 16, max(b - a for a, b in windows)
-    tile = key_tile(longest)
+    tile, why = key_tile(longest, MAX_ROWS, D16, q.element_size(), round_exps)
+    if why:
+        raise ValueError(f"varlen_attention's pypto kernel: {why}")  # _pypto_supports declines it first
     S_pad, rows = -(-longest // tile) * tile, MAX_ROWS
     chunks = [(j, b, c) for j, (a, b) in enumerate(windows) for c in range(a, b, rows)]
     qp = q.new_zeros(len(chunks), H, rows, D16)
@@ -86,12 +105,11 @@ def long_window_pairs(q, k, v, windows):
     return qp.reshape(-1, rows, D16), kp, vp, bias, tile, [(b, c) for _, b, c in chunks]
 
 
-def _long_windows(backend, q, k, v, windows, scale, cast_mode):
-    """Windows longer than PYPTO_MAX_WINDOW: long_window_pairs through attention.py's online softmax over key
-    tiles; [T, H, D]."""
+def _long_windows(backend, q, k, v, windows, scale, round_exps):
+    """long_window_pairs through attention.py's online softmax over key tiles; [T, H, D]."""
     T, H, D = q.shape
-    qp, kp, vp, bias, tile, chunks = long_window_pairs(q, k, v, windows)
-    o = tiled_attention(backend, "varlen_attention", qp, kp, vp, bias, scale, tile, round_exps=cast_mode == "hf")
+    qp, kp, vp, bias, tile, chunks = long_window_pairs(q, k, v, windows, round_exps)
+    o = tiled_attention(backend, "varlen_attention", qp, kp, vp, bias, scale, tile, round_exps)
     o = o.reshape(len(chunks), H, MAX_ROWS, -1)
     out = q.new_empty(T, H, D)
     for i, (b, c) in enumerate(chunks):
@@ -99,25 +117,36 @@ def _long_windows(backend, q, k, v, windows, scale, cast_mode):
     return out
 
 
-@VARLEN_ATTENTION.impl("pypto", supports=first_runs_here)
+def _pypto_supports(backend, q, k, v, cu_seqlens, scale, cast_mode):
+    windows = [(a, b) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) if b > a]
+    if windows and not _whole_windows(q, windows, cast_mode == "hf"):
+        _, why = key_tile(max(b - a for a, b in windows), MAX_ROWS, -(-q.shape[2] // 16) * 16, q.element_size(),
+                          cast_mode == "hf")
+        if why:
+            return why
+    return backend.runs_on(q)
+
+
+@VARLEN_ATTENTION.impl("pypto", supports=_pypto_supports)
 def _(backend, q, k, v, cu_seqlens, scale, cast_mode):
     T, H, D = q.shape
+    round_exps = cast_mode == "hf"
     windows = [(a, b) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) if b > a]
-    if windows and max(b - a for a, b in windows) > PYPTO_MAX_WINDOW:
-        return _long_windows(backend, q, k, v, windows, scale, cast_mode)
+    if windows and not _whole_windows(q, windows, round_exps):
+        return _long_windows(backend, q, k, v, windows, scale, round_exps)
     out = q.new_empty(T, H, D)
     D16, per_launch, runs = -(-D // 16) * 16, max(1, PYPTO_LAUNCH_PAIRS // H), []
     for i in range(0, len(windows), per_launch):
         group = windows[i:i + per_launch]
-        (qp, kp, vp), bias = _padded_pairs(q, k, v, group, D16)
+        (qp, kp, vp), bias, L = _padded_pairs(q, k, v, group, D16)
         o = torch.empty_like(qp)
         backend.launch("varlen_attention", window_attention_kernel, qp, [qp, kp, vp, bias], [o],
-                       [float(scale), MATMUL_PAIRS, cast_mode == "hf"], tiles=Tiles(qp.shape[1], D16),
-                       kinds=("mixture",))
+                       [float(scale), round_exps], tiles=Tiles(L, D16), kinds=("mixture",),
+                       budget=window_budget(L, D16, q.element_size(), round_exps, bias.shape[0]))
         runs.append(backend.last_run)
+        o = o.reshape(-1, L, D16)
         for j, (a, b) in enumerate(group):
             out[a:b] = o[j * H:(j + 1) * H, :b - a, :D].transpose(0, 1)
     if runs:
         backend.last_run = RunInfo.of_launches(runs)
     return out
-
