@@ -301,6 +301,40 @@ def test_quant_matmul_static_maps_onto_npu_quant_matmul_with_an_int32_bias(npu, 
     assert "float32" in npu.supports("quant_matmul_static", x_q, w_q, deq, None, torch.float32)
 
 
+@pytest.mark.parametrize("chip", ["Ascend910B2", "Ascend310P3"])
+def test_int8_weights_go_in_the_nz_format_made_once_per_weight_version(npu, monkeypatch, chip):
+    """torch_npu-npu_quant_matmul.md (约束说明): x2 in the NZ format through npu_format_cast (29), on A2/A3 the [k, n]
+    weight untransposed (recommended), on the inference series the [n, k] weight cast and passed transposed
+    (required). It was a transposed ND view per call (issue 47); now one cast per weight, again after an in-place
+    update, and the results stay the golden's."""
+    monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", chip)
+    backend = Npu(NpuBackend(module_name="torch_npu_standin"))
+    gen = torch.Generator().manual_seed(2)
+    x_q = torch.randint(-128, 128, (3, 64), generator=gen, dtype=torch.int8)
+    w_q = torch.randint(-128, 128, (24, 64), generator=gen, dtype=torch.int8)
+    deq = torch.rand(24, generator=gen) * 1e-4
+    sent, real = [], torch_npu_standin.npu_quant_matmul
+    monkeypatch.setattr(torch_npu_standin, "npu_quant_matmul", lambda x1, x2, *a, **k: sent.append(x2) or
+                        real(x1, x2, *a, **k))
+    op = OPS["quant_matmul_static"]
+    for _ in range(3):
+        got = backend.quant_matmul_static(x_q, w_q, deq, None, torch.float16)
+        assert_close(got, op.golden(x_q, w_q, deq, None, torch.float16), op.outputs)
+    assert torch_npu_standin.calls.count("npu_format_cast") == 1
+    assert all(torch_npu_standin.format_of(x2) == "FRACTAL_NZ" for x2 in sent)
+    assert all(x2.is_contiguous() == (chip == "Ascend910B2") for x2 in sent)
+    w_q[0, 0] = -w_q[0, 0] - 1  # an in-place update: cast again
+    got = backend.quant_matmul_static(x_q, w_q, deq, None, torch.float16)
+    assert torch_npu_standin.calls.count("npu_format_cast") == 2
+    assert_close(got, op.golden(x_q, w_q, deq, None, torch.float16), op.outputs)
+    nd_view = torch_npu_standin.npu_format_cast(w_q.contiguous(), 29)
+    if chip == "Ascend310P3":  # the stand-in refuses an NZ x2 cast untransposed on the inference series
+        with pytest.raises(RuntimeError, match="passed transposed on Atlas inference series"):
+            real(x_q, torch_npu_standin.npu_format_cast(w_q.t().contiguous(), 29),
+                 torch_npu_standin.npu_trans_quant_param(deq), output_dtype=torch.float16)
+    assert torch_npu_standin.format_of(nd_view.t()) == "FRACTAL_NZ" and torch_npu_standin.format_of(w_q) == "ND"
+
+
 def test_npu_trans_quant_param_keeps_the_scales_upper_19_bits_as_documented():
     """torch_npu-npu_trans_quant_param.md: out = (scale & 0xFFFFE000) | (1 << 46), the scale first rounded to those
     19 bits with round_mode=1. The stand-in kept all 32 bits, so the contract test's fp16 bit-equality was its own
@@ -365,7 +399,7 @@ def test_an_n_above_the_last_dim_limit_runs_as_column_blocks(npu, static):
     torch_npu_standin.calls.clear()
     assert npu.supports(name, *args) is None
     assert torch.equal(getattr(npu, name)(*args), OPS[name].golden(*args))
-    assert torch_npu_standin.calls == ["npu_quant_matmul"] * 2
+    assert torch_npu_standin.calls == ["npu_format_cast", "npu_quant_matmul"] * 2  # each block's weight in NZ
 
 
 def _text_rope(S, D=128, E=None, dtype=torch.bfloat16, mrope=False, heads=(16, 2)):
@@ -373,7 +407,8 @@ def _text_rope(S, D=128, E=None, dtype=torch.bfloat16, mrope=False, heads=(16, 2
     q = torch.randn(1, S, heads[0], D, generator=gen).to(dtype).transpose(1, 2)  # HF's [B, H, S, D] view
     k = torch.randn(1, S, heads[1], D, generator=gen).to(dtype).transpose(1, 2)
     shape = (3, 1, S, E or D) if mrope else (1, S, E or D)
-    cos, sin = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    angles = 3 * torch.randn(shape, generator=gen)  # cos and sin of angles: npu_rotary_mul's [-1, 1] data range
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     return q, k, cos, sin, [16, 24, 24] if mrope else [], 1
 
 
@@ -387,7 +422,8 @@ def test_rope_maps_onto_the_documented_rotary_ops(npu, case, op_used):
     if case == "vision":
         gen = torch.Generator().manual_seed(0)
         qkv = torch.randn(37, 3 * 16 * 80, generator=gen).bfloat16().reshape(37, 3, 16, 80).permute(1, 0, 2, 3)
-        args = (qkv[0], qkv[1], torch.randn(37, 80, generator=gen), torch.randn(37, 80, generator=gen), [], -2, "fp32")
+        angles = torch.randn(37, 80, generator=gen)
+        args = (qkv[0], qkv[1], angles.cos(), angles.sin(), [], -2, "fp32")
     elif case == "text_fp32_dtype_hf":
         args = (*_text_rope(9, dtype=torch.float32), "hf")
     else:
@@ -677,3 +713,32 @@ def test_decoder_attention_limits_are_the_documented_ones(npu, monkeypatch):
     monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend310P3")
     args = op.example_args(op.examples[1])
     assert "A2/A3" in npu.supports("decoder_attention", *args)
+
+
+def test_the_rotary_and_dequant_pages_rules_re_read_are_refused(npu, monkeypatch):
+    """Rules from a second reading of torch_npu-apply_rotary_pos_emb.md, -npu_rotary_mul.md and
+    -npu_dequant_swiglu_quant.md that the stand-in lacked: D 128 or 64 and no empty tensors for
+    npu_apply_rotary_pos_emb (no bfloat16 on the inference series), r1/r2 within [-1, 1] for npu_rotary_mul,
+    quant_scale float32/float16/bfloat16; the rope mapping declines an empty call first."""
+    x = torch.randn(1, 4, 2, 96)
+    c = torch.randn(1, 4, 1, 96).clamp(-1, 1)
+    with pytest.raises(RuntimeError, match="D 96 must be 128 or 64"):
+        torch_npu_standin.npu_apply_rotary_pos_emb(x.clone(), x.clone(), c, c)
+    x, c = torch.randn(1, 0, 2, 64), torch.randn(1, 0, 1, 64)
+    with pytest.raises(RuntimeError, match="empty tensors"):
+        torch_npu_standin.npu_apply_rotary_pos_emb(x.clone(), x.clone(), c, c)
+    x, c = torch.randn(1, 4, 2, 64).bfloat16(), torch.rand(1, 4, 1, 64).bfloat16()
+    torch_npu_standin.npu_apply_rotary_pos_emb(x.clone(), x.clone(), c, c)
+    monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend310P3")
+    with pytest.raises(RuntimeError, match="no bfloat16 on Atlas inference series"):
+        torch_npu_standin.npu_apply_rotary_pos_emb(x.clone(), x.clone(), c, c)
+    monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend910B2")
+    with pytest.raises(RuntimeError, match=r"r1/r2 outside \[-1, 1\]"):
+        torch_npu_standin.npu_rotary_mul(torch.randn(1, 4, 2, 80), 1.5 * torch.ones(1, 4, 1, 80),
+                                         torch.zeros(1, 4, 1, 80))
+    xi = torch.randint(-9, 9, (3, 8), dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="quant_scale float32/float16/bfloat16"):
+        torch_npu_standin.npu_dequant_swiglu_quant(xi, weight_scale=torch.ones(1, 8), activation_scale=torch.ones(3, 1),
+                                                   quant_scale=torch.ones(1, 4, dtype=torch.int32), quant_mode=1)
+    q, cos = torch.randn(1, 2, 0, 64), torch.randn(1, 0, 64)
+    assert "empty tensors" in npu.supports("rope", q, q, cos, cos, [], 1, "fp32")

@@ -16,7 +16,10 @@ against this module, written from torch_npu's API pages:
       (not on Atlas inference series chips); documented rows with pertoken_scale: output bf16 with
       scale fp32/bf16 and bias int32/bf16/fp32, or output fp16 with scale fp32 and bias int32/bf16/fp32 (no fp16
       bias); a float bias is added after dequantisation; x1, x2 and scale must not be empty; the last dims of x1
-      and x2 (k and n) at most 65535.
+      and x2 (k and n) at most 65535. x1 ND; x2 ND or NZ (npu_format_cast(x2, 29)): on A2/A3 the [k, n] weight cast
+      untransposed (recommended), on the inference series the [n, k] weight cast, then passed transposed (required).
+  npu_format_cast(input, acl_format) -> a copy in ACL format 2 (ND) or 29 (FRACTAL_NZ) of a contiguous input; the
+      format is remembered per storage (`format_of`), so a transposed view of an NZ tensor is NZ too.
   npu_add_rms_norm_quant(x1, x2, gamma, scales1, zero_points1=None, beta=None, scales2=None, zero_points2=None,
       *, axis=-1, epsilon=1e-06, div_mode=True) -> (y1, y2, x_out): 1-8 dims, no empty tensors, fp16/bf16 (bf16 on
       A2/A3); y1 = round(rms_norm(x1 + x2) * gamma (+ beta) / scales1 + zero_points1) per channel (div_mode=True;
@@ -37,7 +40,8 @@ against this module, written from torch_npu's API pages:
       fp16/bf16/fp32, r1/r2 of input's dtype; A2/A3: D < 896 and even, B and N < 1000, BSND input with
       r1/r2 as 1S1D, BS1D or BSND (older series: D = 128).
   npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSND", rotary_mode="half") -> (query, key),
-      rotated in place; B and S of all four equal, D equal, one dtype.
+      rotated in place; B and S of all four equal, D equal and 128 or 64, one dtype (no bf16 on the inference
+      series), no empty tensors. npu_rotary_mul's r1/r2 within [-1, 1] (its documented data range).
   npu_fused_infer_attention_score(query, key, value, *, ..., actual_seq_lengths=None, actual_seq_lengths_kv=None,
       num_heads=1, scale=1.0, pre_tokens=2147483647, next_tokens=2147483647, input_layout="BSH",
       num_key_value_heads=0, sparse_mode=0, ...) -> (attention_out, softmax_lse): query fp16/bf16/int8, contiguous,
@@ -52,6 +56,7 @@ against this module, written from torch_npu's API pages:
 `npu.get_device_name()` reports the chip this stand-in pretends to be (`DEVICE_NAME`).
 """
 import types
+import weakref
 
 import torch
 
@@ -64,6 +69,25 @@ DEVICE_NAME = "Ascend910B2"
 npu = types.SimpleNamespace(get_device_name=lambda device=None: DEVICE_NAME)
 A2_A3_PAIRS = {(torch.float16, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
                (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)}
+
+
+ACL_FORMATS = {2: "ND", 29: "FRACTAL_NZ"}
+_formats: dict = {}  # storage data_ptr -> ACL format of a tensor npu_format_cast made
+
+
+def npu_format_cast(input, acl_format):
+    calls.append("npu_format_cast")
+    _check(acl_format in ACL_FORMATS, f"npu_format_cast: acl_format {acl_format} is not one modelled here (2, 29)")
+    _check(input.is_contiguous(), "npu_format_cast: the input must be contiguous")
+    out = input.clone()
+    key = out.untyped_storage().data_ptr()
+    _formats[key] = acl_format
+    weakref.finalize(out, _formats.pop, key, None)  # a view keeps `out` alive through its _base
+    return out
+
+
+def format_of(t) -> str:
+    return ACL_FORMATS[_formats.get(t.untyped_storage().data_ptr(), 2)] if t.numel() else "ND"
 
 
 def _a2_a3() -> bool:
@@ -138,6 +162,11 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     _check(x1.dtype == torch.int8 and x2.dtype == torch.int8, "npu_quant_matmul: x1/x2 must be int8 here")
     _check(2 <= x1.dim() <= 6 and 2 <= x2.dim() <= 6, "npu_quant_matmul: x1/x2 must have 2-6 dims")
     _check(x1.numel() > 0 and x2.numel() > 0 and scale.numel() > 0, "npu_quant_matmul: empty x1, x2 or scale")
+    _check(format_of(x1) == "ND", "npu_quant_matmul: x1 must be ND")
+    # 约束说明: the inference series must transpose x2 before the NZ cast (A2/A3: recommended not to)
+    _check(_a2_a3() or format_of(x2) != "FRACTAL_NZ" or not x2.is_contiguous(),
+           "npu_quant_matmul: an NZ x2 must be cast from the [n, k] weight and passed transposed on Atlas inference "
+           "series chips")
     m, k = x1.shape[-2:]
     k2, n = x2.shape[-2:]
     _check(k == k2, f"npu_quant_matmul: x1 [.., {k}] and x2 [{k2}, ..] disagree on k")
@@ -307,7 +336,9 @@ def npu_dequant_swiglu_quant(x, *, weight_scale=None, activation_scale=None, bia
            and tuple(activation_scale.shape) == (T, 1), "npu_dequant_swiglu_quant: activation_scale must be float32 [T, 1]")
     _check(bias is None and group_index is None and quant_offset is None and quant_mode == 1 and swiglu_mode == 0,
            "npu_dequant_swiglu_quant: only dynamic, ungrouped, bias-free standard swiglu is modelled here")
-    _check(quant_scale is None or tuple(quant_scale.shape) == (1, N // 2), "npu_dequant_swiglu_quant: quant_scale [1, H]")
+    _check(quant_scale is None or (tuple(quant_scale.shape) == (1, N // 2) and quant_scale.dtype in
+                                   (torch.float32, torch.float16, torch.bfloat16)),
+           "npu_dequant_swiglu_quant: quant_scale float32/float16/bfloat16 [groupNum=1, H]")
     f = x.float() * weight_scale * activation_scale
     a, b = f.chunk(2, dim=-1)
     out = torch.nn.functional.silu(a) * b if activate_left else torch.nn.functional.silu(b) * a
@@ -359,8 +390,11 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half"):
     B, S, N, D = input.shape
     if _a2_a3():
         _check(D < 896 and D % 2 == 0 and B < 1000 and N < 1000, f"npu_rotary_mul: shape {tuple(input.shape)}")
-    else:
-        _check(D == 128, f"npu_rotary_mul: D={D} (128 only on this chip)")
+    else:  # jit_compile=True: B and N <= 1000, D = 128
+        _check(D == 128 and B <= 1000 and N <= 1000, f"npu_rotary_mul: shape {tuple(input.shape)} (D 128 only)")
+    # r1, r2: "数据范围：[-1, 1]"
+    _check(bool((r1.float().abs() <= 1).all() and (r2.float().abs() <= 1).all()),
+           "npu_rotary_mul: r1/r2 outside [-1, 1]")
     _check(r1.shape[0] in (1, B) and r1.shape[1] == S and r1.shape[2] in (1, N) and r1.shape[3] == D,
            f"npu_rotary_mul: r1 {tuple(r1.shape)} is not 1S1D, BS1D or BSND for input {tuple(input.shape)}")
     return _rotary(input, r1, r2)
@@ -409,6 +443,13 @@ def npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSND", rotary_mode="h
     _check(layout == "BSND" and rotary_mode == "half", f"npu_apply_rotary_pos_emb: {layout}, {rotary_mode}")
     _check(all(t.dim() == 4 for t in (query, key, cos, sin)), "npu_apply_rotary_pos_emb: 4-D tensors")
     _check(len({t.dtype for t in (query, key, cos, sin)}) == 1, "npu_apply_rotary_pos_emb: one dtype")
+    _check(query.dtype in (torch.float32, torch.float16, torch.bfloat16)
+           and (_a2_a3() or query.dtype != torch.bfloat16),
+           f"npu_apply_rotary_pos_emb: dtype {query.dtype} (no bfloat16 on Atlas inference series chips)")
+    # A2/A3 and the inference series: no empty tensors, D (of all four) 128 or 64
+    _check(all(t.numel() for t in (query, key, cos, sin)), "npu_apply_rotary_pos_emb: empty tensors are not supported")
+    _check(query.shape[-1] in (64, 128) and cos.shape[-1] in (64, 128),
+           f"npu_apply_rotary_pos_emb: D {query.shape[-1]} must be 128 or 64")
     _check(all(t.shape[:2] == query.shape[:2] and t.shape[-1] == query.shape[-1] for t in (key, cos, sin)),
            "npu_apply_rotary_pos_emb: B, S and D of query, key, cos, sin must be equal")
     _check(cos.shape[2] == 1 and sin.shape == cos.shape, f"npu_apply_rotary_pos_emb: cos {tuple(cos.shape)}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import weakref
 
 import torch
 
@@ -78,6 +79,21 @@ def fia_limits(B: int, N: int, N_kv: int, S: int, D: int, kv: int, dtype) -> str
     if S == 1 and kv > FIA_MAX_KV_DECODE:
         return f"{FIA}: KV length {kv} > {FIA_MAX_KV_DECODE} at a decode step"
     return None
+
+
+_CONVERTED: dict = {}  # (id(tensor), kind) -> (its version, the converted tensor, a weakref dropping the entry)
+
+
+def converted_once(t: torch.Tensor, kind, convert) -> torch.Tensor:
+    """`convert(t)`, made once per tensor, kind and in-place version (what vllm-ascend does once at load: a model's
+    int8 weights in the NZ format, its cos/sin cache in the call dtype; per call it would be a copy of the whole
+    tensor at every decode step). The entry goes with the tensor; an in-place update makes it again."""
+    key = (id(t), kind)
+    held = _CONVERTED.get(key)
+    if held is None or held[2]() is not t or held[0] != t._version:
+        held = (t._version, convert(t), weakref.ref(t, lambda _, key=key: _CONVERTED.pop(key, None)))
+        _CONVERTED[key] = held
+    return held[1]
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,11 @@ goes in as float32, which both rows document (fp16 output takes no fp16 bias; th
 as vllm-ascend passes it. The last dims of x1 and x2 (K, N) may not exceed 65535: an N above it (a 151,936-row
 int8 lm_head) runs as column blocks of at most 65535, as vllm-ascend's w8a8_dynamic splits it; a K above it is
 declined.
+x2 goes in the NZ format (torch_npu.npu_format_cast(..., 29), "昇腾亲和的数据排布" of the page's 约束说明, for its
+load bandwidth), converted once per weight and in-place version as vllm-ascend converts at load: on A2/A3 the [K, N]
+weight not transposed (the page's recommendation there), on the inference series the [N, K] weight, passed
+transposed (the page's requirement there). The NZ copy sits beside the model's [N, K] weight (which the other
+backends read): twice the int8 weight memory on the device.
 """
 from __future__ import annotations
 
@@ -15,9 +20,20 @@ import torch
 
 from ...ops.args import dtype_name
 from ...ops.defs.quant_matmul import INT32_GEMM, QUANT_MATMUL, QUANT_MATMUL_STATIC
-from .backend import HALF
+from .backend import HALF, converted_once
 
 MAX_LAST_DIM = 65535
+ACL_FORMAT_FRACTAL_NZ = 29
+
+
+def nz_weight(backend, w_q: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """x2 for npu_quant_matmul: rows a:b of the int8 weight [N, K] in the NZ format, as the chip series wants it."""
+    tnpu = backend.torch_npu()
+    if backend.series_of(w_q) == "a2_a3":
+        return converted_once(w_q, ("nz", a, b),
+                              lambda w: tnpu.npu_format_cast(w[a:b].t().contiguous(), ACL_FORMAT_FRACTAL_NZ))
+    return converted_once(w_q, ("nz transposed", a, b),
+                          lambda w: tnpu.npu_format_cast(w[a:b].contiguous(), ACL_FORMAT_FRACTAL_NZ)).t()
 
 
 def _column_blocks(N: int) -> list:
@@ -46,7 +62,8 @@ def _(backend, x_q, w_q, x_scale, w_scale, bias, out_dtype):
     K, N = x_q.shape[-1], w_q.shape[0]
     x1, pertoken = x_q.reshape(-1, K), x_scale.reshape(-1)
     bias = None if bias is None else bias.to(torch.float32)
-    blocks = [backend.torch_npu().npu_quant_matmul(x1, w_q[a:b].t(), w_scale[a:b], pertoken_scale=pertoken,
+    blocks = [backend.torch_npu().npu_quant_matmul(x1, nz_weight(backend, w_q, a, b), w_scale[a:b],
+                                                   pertoken_scale=pertoken,
                                                    bias=None if bias is None else bias[a:b], output_dtype=out_dtype)
               for a, b in _column_blocks(N)]
     y = blocks[0] if len(blocks) == 1 else torch.cat(blocks, -1)
@@ -78,7 +95,8 @@ def _(backend, x_q, w_q, deq_scale, quant_bias, out_dtype):
     scale = deq_scale if out_dtype == torch.bfloat16 else tnpu.npu_trans_quant_param(deq_scale,
                                                                                      round_mode=TRANS_QUANT_ROUND)
     x1 = x_q.reshape(-1, K)
-    blocks = [tnpu.npu_quant_matmul(x1, w_q[a:b].t(), scale[a:b], bias=None if quant_bias is None else quant_bias[a:b],
+    blocks = [tnpu.npu_quant_matmul(x1, nz_weight(backend, w_q, a, b), scale[a:b],
+                                    bias=None if quant_bias is None else quant_bias[a:b],
                                     output_dtype=out_dtype) for a, b in _column_blocks(N)]
     y = blocks[0] if len(blocks) == 1 else torch.cat(blocks, -1)
     return y.reshape(*x_q.shape[:-1], N)

@@ -17,13 +17,13 @@ rope does not use npu_mrope: it gathers cos/sin from a position-indexed cache in
 hands the attention cos/sin already computed; MRoPE's section merge runs first (two cats, as 5.x does).
 rotary_embedding, whose cos/sin do come from such a cache, is npu_mrope.
 """
-import weakref
 
 import torch
 
 from ...ops.args import dtype_name
 from ...ops.defs.rope import QK_NORM_ROPE, ROPE, ROTARY_EMBEDDING, like, merge_sections
 from ..rope_layout import Layout, angles_not_float, out_dtypes
+from .backend import converted_once
 from .rms_norm import unit_gamma
 
 NPU_LIMIT = 1000
@@ -44,6 +44,8 @@ def _npu_rope_supports(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, ca
     if cast_mode == "hf" and torch.promote_types(q.dtype, cos.dtype) != torch.float32:
         return (f"hf mode on {dtype_name(q.dtype)}: torch_npu's rope kernels round once, HF rounds each product "
                 f"(cast_mode='fp32' maps onto them)")
+    if not q.numel() or not k.numel() or not cos.numel():
+        return "npu_rotary_mul / npu_apply_rotary_pos_emb: empty tensors are not supported"
     lay = Layout(q.to("meta"), k.to("meta"), cos.to("meta"), sin.to("meta"), mrope_section, unsqueeze_dim)
     B, S = (1, lay.O) if lay.I == 1 else (lay.O, lay.I)
     if B >= NPU_LIMIT or max(lay.Hq, lay.Hk) >= NPU_LIMIT:
@@ -143,27 +145,12 @@ def _npu_rotary_supports(backend, positions, query, key, cache, head_size, mrope
     return None
 
 
-_FP32_CACHES: dict = {}  # id(cache) -> (its version, the fp32 copy, a weakref that drops the entry with the cache)
-
-
-def fp32_cache(cache: torch.Tensor) -> torch.Tensor:
-    """The cos/sin cache in fp32, converted once per cache and in-place version (a model's cache covers every
-    position: converting it per call was a copy of max_positions x rotary_dim elements at every decode step)."""
-    if cache.dtype == torch.float32:
-        return cache
-    key = id(cache)
-    held = _FP32_CACHES.get(key)
-    if held is None or held[2]() is not cache or held[0] != cache._version:
-        held = (cache._version, cache.float(), weakref.ref(cache, lambda _, key=key: _FP32_CACHES.pop(key, None)))
-        _FP32_CACHES[key] = held
-    return held[1]
-
-
 @ROTARY_EMBEDDING.impl("npu", supports=_npu_rotary_supports)
 def _(backend, positions, query, key, cos_sin_cache, head_size, mrope_section, cast_mode):
     T = positions.shape[-1]
     q2, k2 = (x.reshape(T, -1).float() for x in (query, key))
-    yq, yk = backend.torch_npu().npu_mrope(positions.to(torch.int64), q2, k2, fp32_cache(cos_sin_cache), head_size,
+    cache = converted_once(cos_sin_cache, "fp32", lambda c: c.float())  # once per cache and version, not per call
+    yq, yk = backend.torch_npu().npu_mrope(positions.to(torch.int64), q2, k2, cache, head_size,
                                            mrope_section=list(mrope_section) or None)  # rotary_mode "half"
     return yq.to(query.dtype).reshape(query.shape), yk.to(key.dtype).reshape(key.shape)
 
