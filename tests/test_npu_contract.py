@@ -742,3 +742,24 @@ def test_the_rotary_and_dequant_pages_rules_re_read_are_refused(npu, monkeypatch
                                                    quant_scale=torch.ones(1, 4, dtype=torch.int32), quant_mode=1)
     q, cos = torch.randn(1, 2, 0, 64), torch.randn(1, 0, 64)
     assert "empty tensors" in npu.supports("rope", q, q, cos, cos, [], 1, "fp32")
+
+
+@pytest.mark.parametrize("function,op,example", [
+    ("npu_mrope", "rotary_embedding", {"P": (3,), "T": 6, "Q": (2 * 128,), "K": (2 * 128,), "M": 24, "E": 128,
+                                       "head_size": 128, "cast_mode": "fp32", "mrope_section": [24, 20, 20]}),
+    ("npu_add_rms_norm_dynamic_quant", "add_rms_norm_dynamic_quant", {"R": (3,), "D": 64}),
+    ("npu_add_rms_norm_quant", "rms_norm_quant", None),
+    ("npu_swiglu_quant", "swiglu_dynamic_quant", {"cast_mode": "fp32"}),
+])
+def test_a_torch_npu_release_without_a_function_declines_the_ops_that_call_it(npu, monkeypatch, function, op,
+                                                                             example):
+    """op_plugin_functions.yaml per branch: npu_mrope and npu_dequant_swiglu_quant from 7.0.0,
+    npu_add_rms_norm_quant from 7.1.0, npu_add_rms_norm_dynamic_quant and npu_swiglu_quant from 7.2.0. On a release
+    without one the op is declined naming the branch (it raised AttributeError mid-call)."""
+    from pypto_gym.kernels.npu.backend import SINCE
+
+    o = OPS[op]
+    args = o.example_args({**o.examples[0], **(example or {})})
+    assert npu.supports(op, *args) is None
+    monkeypatch.delattr(torch_npu_standin, function)
+    assert npu.supports(op, *args) == f"this torch_npu has no {function} (op-plugin {SINCE[function]} and later)"

@@ -224,3 +224,19 @@ def test_calls_no_tile_fits_are_declined_with_the_reason():
         ops.rope(q, q, cos, cos, backend="pypto", stats=stats)
     assert stats.ran == {"torch": 1} and any("128 heads" in why and "UB" in why for why in stats.fallbacks), \
         stats.fallbacks
+
+
+def test_a_chip_launch_holds_as_many_pairs_as_one_concat_takes(traced, monkeypatch):
+    """The SIM's launch limits are its memory's (it holds the unrolled program); on the chip a launch takes as many
+    (window, head) pairs as one pypto.concat documents (128): 8 windows of 16 heads in one launch, 9 in two."""
+    from pypto_gym.kernels.pypto import varlen_attention as varlen
+
+    assert attention.pairs_per_launch(15, "npu") == budget.MAX_CONCAT == 128 and attention.pairs_per_launch(15) == 8
+    assert varlen.windows_per_launch(16, "npu") == 8 and varlen.windows_per_launch(16, "cpu") == 4
+    monkeypatch.setattr(varlen, "windows_per_launch", lambda heads, device: 128 // heads)  # the chip's, on CPU
+    for n, launches in ((8, 1), (9, 2)):
+        traced.clear()
+        cu = windows([64] * n)
+        q = torch.randn(cu[-1], 16, 80).bfloat16()
+        _run("varlen_attention", q, q, q, cu, 80 ** -0.5)
+        assert len(traced) == launches and len(traced[0]) == 2 * 128  # two matmuls per pair

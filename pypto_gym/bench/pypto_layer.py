@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import hardware
-from ..kernels.pypto.varlen_attention import PYPTO_LAUNCH_PAIRS, long_window_pairs
+from ..kernels.pypto.varlen_attention import long_window_pairs, windows_per_launch
 from ..ops import OPS, registry
 from ..ops.defs.varlen_attention import windows
 from . import pypto_kernels as K
@@ -125,7 +125,7 @@ def window_attention_row(label: str, args) -> dict:
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:]) if b > a]
     one = {n: fused_us("varlen_attention", (q[:n], k[:n], v[:n], [0, n], scale, mode)) for n in sorted(set(lengths))}
     cat_us = K.copy_us(2 * q.numel() * q.element_size(), q.shape[0])
-    launches = -(-len(lengths) // max(1, PYPTO_LAUNCH_PAIRS // q.shape[1]))
+    launches = -(-len(lengths) // windows_per_launch(q.shape[1], "cpu"))
     return {"part": f"{label} ({len(lengths)} win.)", "hf_kernels": len(lengths) + 1,
             "hf_us": sum(one[n] for n in lengths) + cat_us, "fused_kernels": launches,
             "fused_us": fused_us("varlen_attention", args), "fused_op": f"attention x{launches}",

@@ -22,6 +22,16 @@ HALF = (torch.float16, torch.bfloat16)
 # `beta` of npu_add_rms_norm_quant and npu_add_rms_norm_dynamic_quant (given only), `rotary_mode` of the rotary ops
 # (never: "half" is the default), `round_mode` of npu_trans_quant_param and `inner_precise` of
 # npu_fused_infer_attention_score (where their pages ask for them).
+# Where each function and keyword the mapping calls first appears in op-plugin's op_plugin/config/
+# op_plugin_functions.yaml (branches 6.0.0 ... 7.3.0, 26.0.0, 26.1.0, master; what is not listed is in 6.0.0): a
+# torch_npu without a function declines the ops that call it (`needs`), naming the branch; keywords cannot be probed
+# on a C-bound function, so they are passed only where a call needs them (NEWER_KEYWORDS) and listed here for the
+# reader. npu_apply_rotary_pos_emb's `layout` defaults to "BSH" up to 26.0.0 ("BSND" from 26.1.0): always passed.
+SINCE = {"npu_mrope": "7.0.0", "npu_dequant_swiglu_quant": "7.0.0", "npu_add_rms_norm_quant": "7.1.0",
+         "npu_add_rms_norm_dynamic_quant": "7.2.0", "npu_swiglu_quant": "7.2.0",
+         "npu_trans_quant_param(round_mode)": "7.1.0", "npu_rotary_mul(rotary_mode)": "7.0.0",
+         "npu_add_rms_norm_quant(beta)": "7.2.0", "npu_apply_rotary_pos_emb(rotary_mode)": "7.2.0",
+         "npu_add_rms_norm_dynamic_quant(y_dtype)": "26.0.0"}
 NEWER_KEYWORDS = {"npu_add_rms_norm_dynamic_quant": ("y_dtype", "beta"), "npu_add_rms_norm_quant": ("beta",),
                   "npu_apply_rotary_pos_emb": ("rotary_mode",), "npu_rotary_mul": ("rotary_mode",),
                   "npu_mrope": ("rotary_mode",)}
@@ -96,6 +106,16 @@ def converted_once(t: torch.Tensor, kind, convert) -> torch.Tensor:
     return held[1]
 
 
+def needs(*functions):
+    """A `supports` predicate that first declines where the installed torch_npu lacks one of these functions."""
+    def wrap(supports):
+        @functools.wraps(supports)
+        def guarded(backend, *args):
+            return backend.missing(functions) or supports(backend, *args)
+        return guarded
+    return wrap
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """torch_npu's norm ops want 2-8 dims: a 1-D input is one row."""
     return x.reshape(1, -1) if x.dim() == 1 else x
@@ -113,6 +133,14 @@ class NpuBackend(Backend):
         if self._module is None:
             self._module = importlib.import_module(self.module_name)
         return self._module
+
+    def missing(self, functions) -> str | None:
+        """Why the installed torch_npu cannot make these calls (a release without one of them), None if it can."""
+        module = self.torch_npu()
+        for name in functions:
+            if not hasattr(module, name):
+                return f"this torch_npu has no {name} (op-plugin {SINCE.get(name, '6.0.0')} and later)"
+        return None
 
     @functools.lru_cache(maxsize=16)
     def series(self, device_index) -> str:

@@ -24,7 +24,7 @@ from ...ops.defs.norm_quant import (
     RMS_NORM_QUANT,
 )
 from ...ops.quantize import unpack_int4_from_int32
-from .backend import as_rows, quant_limits
+from .backend import as_rows, needs, quant_limits
 
 NAME = "npu_add_rms_norm_dynamic_quant"
 
@@ -55,13 +55,16 @@ def _npu_add_quant(backend, x1, x2, gamma, smooth_scale1, smooth_scale2, beta, e
             s2.reshape(row_shape) if two else None)
 
 
-@RMS_NORM_DYNAMIC_QUANT.impl("npu", supports=_npu_supports)
+_npu_dynamic_supports = needs("npu_add_rms_norm_dynamic_quant")(_npu_supports)
+
+
+@RMS_NORM_DYNAMIC_QUANT.impl("npu", supports=_npu_dynamic_supports)
 def _(backend, x, gamma, smooth_scales, beta, eps, dst_type):
     y1, _, _, s1, _ = _npu_add_quant(backend, x, torch.zeros_like(x), gamma, smooth_scales, None, beta, eps, dst_type)
     return y1, s1
 
 
-ADD_RMS_NORM_DYNAMIC_QUANT.impl("npu", supports=_npu_supports)(_npu_add_quant)
+ADD_RMS_NORM_DYNAMIC_QUANT.impl("npu", supports=_npu_dynamic_supports)(_npu_add_quant)
 
 
 STATIC_NAME = "npu_add_rms_norm_quant"
@@ -120,12 +123,12 @@ def _npu_add_static(backend, x1, x2, gamma, scale, offset, beta, eps):
     return y.reshape(x1.shape), x_out.reshape(x1.shape)
 
 
-@RMS_NORM_QUANT.impl("npu", supports=lambda backend, x, gamma, scale, offset, *rest:
-                     npu_static_supports(STATIC_NAME, backend, x, scale, offset))
+@RMS_NORM_QUANT.impl("npu", supports=needs(STATIC_NAME)(lambda backend, x, gamma, scale, offset, *rest:
+                     npu_static_supports(STATIC_NAME, backend, x, scale, offset)))
 def _(backend, x, gamma, scale, offset, beta, eps):
     return _npu_add_static(backend, x, torch.zeros_like(x), gamma, scale, offset, beta, eps)[0]
 
 
-ADD_RMS_NORM_QUANT.impl("npu", supports=lambda backend, x1, x2, gamma, scale, offset, *rest:
-                        npu_static_supports(STATIC_NAME, backend, x1, scale, offset))(_npu_add_static)
+ADD_RMS_NORM_QUANT.impl("npu", supports=needs(STATIC_NAME)(lambda backend, x1, x2, gamma, scale, offset, *rest:
+                        npu_static_supports(STATIC_NAME, backend, x1, scale, offset)))(_npu_add_static)
 

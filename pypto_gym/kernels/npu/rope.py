@@ -23,7 +23,7 @@ import torch
 from ...ops.args import dtype_name
 from ...ops.defs.rope import QK_NORM_ROPE, ROPE, ROTARY_EMBEDDING, like, merge_sections
 from ..rope_layout import Layout, angles_not_float, out_dtypes
-from .backend import converted_once
+from .backend import converted_once, needs
 from .rms_norm import unit_gamma
 
 NPU_LIMIT = 1000
@@ -145,7 +145,7 @@ def _npu_rotary_supports(backend, positions, query, key, cache, head_size, mrope
     return None
 
 
-@ROTARY_EMBEDDING.impl("npu", supports=_npu_rotary_supports)
+@ROTARY_EMBEDDING.impl("npu", supports=needs("npu_mrope")(_npu_rotary_supports))
 def _(backend, positions, query, key, cos_sin_cache, head_size, mrope_section, cast_mode):
     T = positions.shape[-1]
     q2, k2 = (x.reshape(T, -1).float() for x in (query, key))

@@ -22,6 +22,7 @@ import torch
 
 from ...ops.args import dtype_name
 from ...ops.defs.swiglu_quant import DEQUANT_SWIGLU_QUANT, SWIGLU_DYNAMIC_QUANT
+from .backend import needs
 from .swiglu import merged_halves
 
 NPU_MAX_LAST_DIM = 8192
@@ -47,7 +48,7 @@ def _npu_supports(backend, gate, up, smooth_scales, cast_mode, dst_type):
     return None
 
 
-@SWIGLU_DYNAMIC_QUANT.impl("npu", supports=_npu_supports)
+@SWIGLU_DYNAMIC_QUANT.impl("npu", supports=needs("npu_swiglu_quant")(_npu_supports))
 def _(backend, gate, up, smooth_scales, cast_mode, dst_type):
     merged = merged_halves(gate, up)
     if merged is None:
@@ -72,7 +73,7 @@ def _npu_dequant_supports(backend, x, weight_scale, activation_scale, bias, quan
     return None
 
 
-@DEQUANT_SWIGLU_QUANT.impl("npu", supports=_npu_dequant_supports)
+@DEQUANT_SWIGLU_QUANT.impl("npu", supports=needs("npu_dequant_swiglu_quant")(_npu_dequant_supports))
 def _(backend, x, weight_scale, activation_scale, bias, quant_scale, activate_left, dst_type):
     N = x.shape[-1]
     y, scale = backend.torch_npu().npu_dequant_swiglu_quant(

@@ -13,15 +13,16 @@ in fp32, the exps rounded to the input dtype before P V (torch's flash attention
 keeps P V on fp32 operands), P V with the whole key tile in one cube tile; out = O / sum, the pairs concatenated
 along rows with a tile that holds a pair whole (pypto.concat's rule). So no cube tile splits K, the condition under
 which PyPTO 0.2.0's matmul verifies (varlen_attention's finding). The key tile is the widest whose tiles the chip
-holds (budget.py: fp32 operands halve it). Launches of at most LAUNCH_PAIRS pairs and LAUNCH_PAIR_TILES pair x
-key-tile steps, each checked at the compiled level as an attention output ("mixture": SPEC 5).
+holds (budget.py: fp32 operands halve it). A launch holds as many pairs as one concat takes on the chip; in SIM at
+most LAUNCH_PAIRS pairs and LAUNCH_PAIR_TILES pair x key-tile steps, each checked at the compiled level as an
+attention output ("mixture": SPEC 5).
 """
 
 # no `from __future__ import annotations` here: PyPTO reads the kernel's annotations as objects
 import torch
 
 from .backend import RunInfo, Tiles
-from .budget import Budget, Matmul, problem
+from .budget import MAX_CONCAT, Budget, Matmul, problem
 
 KEY_TILE = 256  # keys per online-softmax step, at most
 MAX_ROWS = 64  # query rows per pair: a [64, 256] fp32 score tile at most
@@ -49,8 +50,11 @@ def key_tile(keys: int, rows: int, cols: int, in_bytes: int, round_exps: bool) -
         tile -= 16
 
 
-def pairs_per_launch(tiles: int) -> int:
-    """Pairs in one launch at this many key tiles per pair (the simulator's memory grows with pairs x tiles)."""
+def pairs_per_launch(tiles: int, device: str = "cpu") -> int:
+    """Pairs in one launch at this many key tiles per pair: on the chip as many as one pypto.concat takes; in SIM what
+    its memory holds (it holds the whole unrolled program, which grows with pairs x tiles)."""
+    if device == "npu":
+        return MAX_CONCAT
     return max(1, min(LAUNCH_PAIRS, LAUNCH_PAIR_TILES // tiles))
 
 
@@ -100,7 +104,7 @@ def tiled_attention(backend, name: str, q: torch.Tensor, k: torch.Tensor, v: tor
     D16]; backend.last_run sums the launches."""
     P, R, D = q.shape
     o, runs = torch.empty_like(q), []
-    step = pairs_per_launch(k.shape[1] // tile)
+    step = pairs_per_launch(k.shape[1] // tile, q.device.type)
     for a in range(0, P, step):
         b = min(a + step, P)
         rows2d = [t[a:b].reshape(-1, t.shape[-1]).contiguous() for t in (q, k, v, bias)]

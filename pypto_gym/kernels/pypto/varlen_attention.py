@@ -14,12 +14,18 @@ import torch
 from ...ops.defs.varlen_attention import VARLEN_ATTENTION
 from .attention import MAX_ROWS, key_tile, tiled_attention
 from .backend import MASKED, RunInfo, Tiles
-from .budget import Budget, Matmul, problem
+from .budget import MAX_CONCAT, Budget, Matmul, problem
 
 # Limits found on PyPTO 0.2.0's SIM (each a compile in its own process):
 PYPTO_MAX_WINDOW = 128  # a whole [L, L] fp32 score tile per pair; L 256 crashed PyPTO's compiler
-PYPTO_LAUNCH_PAIRS = 64  # pairs per launch: 128 verify (95.8 us, two launches of 64 102.4), the page's 1008 in one
-# program ran out of 24 GiB simulating
+PYPTO_LAUNCH_PAIRS = 64  # pairs per SIM launch: 128 verify (95.8 us, two launches of 64 102.4), the page's 1008 in
+# one program ran out of 24 GiB simulating
+
+
+def windows_per_launch(heads: int, device: str) -> int:
+    """Windows in one launch of the whole-window kernel: their pairs as many as one pypto.concat takes on the chip,
+    PYPTO_LAUNCH_PAIRS in SIM (its memory)."""
+    return max(1, (MAX_CONCAT if device == "npu" else PYPTO_LAUNCH_PAIRS) // heads)
 
 
 def window_attention_kernel(pypto):
@@ -74,7 +80,7 @@ def _padded_pairs(q, k, v, windows, D16):
 def _whole_windows(q, windows, round_exps) -> bool:
     """Whether these windows take the whole-window kernel: none longer than PYPTO_MAX_WINDOW, and its tiles fit."""
     longest = -(-max(b - a for a, b in windows) // 16) * 16
-    D16, pairs = -(-q.shape[2] // 16) * 16, max(1, PYPTO_LAUNCH_PAIRS // q.shape[1]) * q.shape[1]
+    D16, pairs = -(-q.shape[2] // 16) * 16, windows_per_launch(q.shape[1], q.device.type) * q.shape[1]
     return longest <= PYPTO_MAX_WINDOW and problem(window_budget(longest, D16, q.element_size(), round_exps,
                                                                  pairs)) is None
 
@@ -135,7 +141,7 @@ def _(backend, q, k, v, cu_seqlens, scale, cast_mode):
     if windows and not _whole_windows(q, windows, round_exps):
         return _long_windows(backend, q, k, v, windows, scale, round_exps)
     out = q.new_empty(T, H, D)
-    D16, per_launch, runs = -(-D // 16) * 16, max(1, PYPTO_LAUNCH_PAIRS // H), []
+    D16, per_launch, runs = -(-D // 16) * 16, windows_per_launch(H, q.device.type), []
     for i in range(0, len(windows), per_launch):
         group = windows[i:i + per_launch]
         (qp, kp, vp), bias, L = _padded_pairs(q, k, v, group, D16)
