@@ -28,7 +28,7 @@ from models import tiny_qwen2_vl
 sys.path.insert(0, str(Path(__file__).parent / "contract"))
 import torch_npu_standin  # noqa: E402
 
-FAMILIES = ["qwen2_5_vl", "qwen3", "llama"]
+FAMILIES = ["qwen2_5_vl", "qwen3", "llama", "qwen3_vl"]
 QUANTS = [None, "w8a8", "w8a8_static"]
 NEW_TOKENS = 8
 
