@@ -76,13 +76,13 @@ def goal_line(ok: bool, text: str) -> str:
 
 def save_plot(path, draw) -> str:
     """Draw with matplotlib into a PNG; returns a message (matplotlib is in the test extra)."""
+    # before matplotlib's import, which logs at DEBUG where a root logger is left there (PyPTO's import sets it)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # PyPTO's import leaves the root logger at DEBUG
     except ImportError:
         return "plot skipped: matplotlib not installed (pip install -e '.[test]')"
     fig = draw(plt)
