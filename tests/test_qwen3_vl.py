@@ -14,7 +14,12 @@ from models import qwen3_vl_inputs, tiny_qwen3_vl
 pytest.importorskip("transformers.models.qwen3_vl")
 
 KINDS = {"rms_norm", "swiglu", "rope", "qk_norm_rope", "varlen_attention", "decoder_attention", "patch_embed",
-         "layer_norm"}
+         "layer_norm", "linear"}
+
+
+def _merger_mlp(row) -> bool:
+    """A patch merger's fc1 -> GELU -> fc2, which the GELU MLP rule skips: its norm runs first in the same forward."""
+    return row["op"] == "linear" and "merger" in row["path"]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +51,10 @@ def test_patched_qwen3_vl_generates_as_unpatched(model, backend, grids):
         tokens, logits = _run(model, inputs)
         rows = report.to_json()["sites"]
         ran = {r["op"] for r in rows if r["calls"]}
-        assert ran == KINDS and all(r["status"] == "patched" for r in rows if r["op"] in KINDS)
+        assert ran == KINDS and all(r["status"] == "patched" for r in rows if r["op"] in KINDS and not _merger_mlp(r))
+        mlps = [r for r in rows if r["kind"] == "vision.gelu_mlp"]
+        assert [r["activation"] for r in mlps if r["status"] == "patched"] == ["gelu_tanh"] * model.config.vision_config.depth
+        assert all("more layers than fc1 and fc2 (norm)" in r["reason"] for r in mlps if _merger_mlp(r))
         assert all(set(r["ran_on"]) <= {backend} for r in rows) and not report.to_json()["summary"]["fallbacks"]
         kinds = {r["kind"] for r in rows if r["op"] == "layer_norm"}
         assert kinds == {"vision.norm1", "vision.norm2", "vision.merger.norm", "vision.deepstack_merger.norm"}
@@ -107,9 +115,10 @@ def test_the_tiny_checkpoint_runs_the_main_job_with_every_site_kind_patched(caps
     out = capsys.readouterr().out
     report = out[out.index("pypto-gym patch report:"):].splitlines()[0]
     for label in ("norm", "mlp", "rope", "qk-norm+rope", "vision attention", "text attention", "patch embedding",
-                  "layer norm"):
+                  "layer norm", "GELU MLP"):
         counts = re.search(rf"(\d+)/(\d+) {re.escape(label)} sites patched", report)
-        assert counts and counts[1] == counts[2] and int(counts[2]) > 0, (label, report)
+        skipped = 3 if label == "GELU MLP" else 0  # the patch mergers' MLPs (their norm first): skipped, said why
+        assert counts and int(counts[1]) + skipped == int(counts[2]) and int(counts[1]) > 0, (label, report)
     assert "fallbacks=0" in report
 
 

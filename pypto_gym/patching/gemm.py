@@ -32,7 +32,7 @@ class EpilogueLinear(SwappedForward):
         super().__init__(module)
         self.name, self.site = name, site
         self.stats = Stats(site=site.kind, strict=site.stats.strict)
-        self.op = LINEAR.bind(site.requested_backend, self.stats)
+        self.op = LINEAR.bind(site.requested_backend, self.stats, activation="none")
 
     @property
     def calls(self) -> int:

@@ -3,8 +3,8 @@
 A module is a candidate when it has gate_proj, up_proj and down_proj linears (Qwen2/2.5-VL text and
 vision MLPs, Qwen3, Llama); a numerical probe then runs the module's own forward on a small random
 input and compares it with `down_proj(silu(gate_proj(x)) * up_proj(x))` computed with its own
-projections, so an MLP whose act_fn is GELU (Gemma) is skipped with the reason, and so is an MLP
-that is not gated at all (fc1 -> act -> fc2: Qwen2-VL's vision tower).
+projections, so an MLP whose act_fn is GELU (Gemma) is skipped with the reason; an MLP that is not
+gated at all (fc1 -> act -> fc2) is the GELU MLP rule's (gelu_mlp.py).
 
 The patched forward calls the module's own projections (their hooks, accelerate's offload hooks and
 tensor-parallel sharding stay theirs: with gate/up sharded column-wise the op runs on the local
@@ -113,14 +113,10 @@ class MlpRule(Rule):
     site_class = MlpSite
 
     def classify(self, path, module, options=None):
-        gated = all(_linear(module, n) is not None for n in ("gate_proj", "up_proj", "down_proj"))
-        plain = _linear(module, "fc1") is not None and _linear(module, "fc2") is not None
-        if not (gated or plain):
-            return None
+        if not all(_linear(module, n) is not None for n in ("gate_proj", "up_proj", "down_proj")):
+            return None  # an fc1 -> act -> fc2 MLP is the GELU MLP rule's (gelu_mlp.py)
         cand = Candidate(self, path, module, self.kind_of(path, module))
-        if not gated:
-            cand.reason = "fc1 -> act -> fc2: not a gated (SwiGLU) MLP"
-        elif not hasattr(module, "act_fn"):
+        if not hasattr(module, "act_fn"):
             cand.reason = "no act_fn attribute: cannot tell its activation"
         elif module.gate_proj.weight.is_meta and getattr(module.gate_proj, "_hf_hook", None) is None:
             act = type(module.act_fn).__name__
@@ -131,7 +127,7 @@ class MlpRule(Rule):
         return cand
 
     def skipped_details(self, cand):
-        return weight_details((_linear(cand.module, "gate_proj") or _linear(cand.module, "fc1")).weight)
+        return weight_details(_linear(cand.module, "gate_proj").weight)
 
 
 MLPS = register(MlpRule())
