@@ -73,6 +73,22 @@ def test_bench_e2e_runs_every_variant(tmp_path):
         w["deployed_vs_float_without_embedding"]
 
 
+@pytest.mark.integration
+def test_bench_e2e_runs_at_qwen3_vl_2b_dimensions(tmp_path, capsys):
+    """--config builds random weights at another committed config's dimensions: Qwen3-VL-2B's (one decoder layer,
+    one vision block here), its vision tower timed, its full depth (28 layers, 24 blocks) in the projection."""
+    rc = main(["bench", "e2e", "--config", str(ROOT / "modeling" / "qwen3_vl_2b" / "config.json"), "--num-layers",
+               "1", "--vision-depth", "1", "--repeats", "1", "--max-new-tokens", "2", "--image", str(SAMPLE_IMAGE),
+               "--json", str(tmp_path / "e.json"), "--png", str(tmp_path / "e.png"), "--quant", "w8a8"])
+    data = json.loads((tmp_path / "e.json").read_text())
+    assert rc == 0 and data["model"] == "qwen3_vl_2b dims" and data["weights"]["full_depth"] == [28, 24]
+    assert all(m["vision_s"] > 0 and m["new_tokens"] == 2 for m in data["medians"].values())
+    assert "qwen3_vl_2b dims (qwen3_vl), 1 text layers, 1 vision blocks" in capsys.readouterr().out
+    assert main(["bench", "e2e", "--config", str(ROOT / "modeling" / "tiny_qwen3" / "config.json")]) == 2
+    assert "--config: bench e2e builds random weights for a vision-language family's config" in \
+        capsys.readouterr().err
+
+
 def test_the_w8a8_decode_goal_takes_the_float_lm_head_out_of_both_tokens():
     """Worked example: a token of 10 ms unpatched and 6 ms in W8A8, 4 ms of each the float lm_head: the decoder
     layers went from 6 to 2 ms, 3x (the whole token's 1.67x is what the goal used to read); a lm_head as slow as a

@@ -1,4 +1,5 @@
-"""`bench e2e`: what the swap buys end to end, at GutenOCR-3B's dimensions with reduced depth.
+"""`bench e2e`: what the swap buys end to end, at GutenOCR-3B's (or `--config`'s: Qwen3-VL-2B's) dimensions with reduced
+depth.
 
 One random-weight bf16 model (no download) runs generate on a document-sized image (or `--model`: any
 family's checkpoint); variants (unpatched, patched torch, patched cpu: every site, norms only (no MLP
@@ -28,7 +29,7 @@ import torch
 
 from .. import config, hardware
 from ..kernels.cpu import quant_matmul
-from ..models.qwen2_5_vl import DOCUMENT_IMAGE, GUTENOCR_CONFIG, random_model
+from ..models.qwen2_5_vl import DOCUMENT_IMAGE, GUTENOCR_CONFIG
 from ..patching import patch_model, unpatch_model
 from .timing import goal_line, header, save_plot, write_json
 
@@ -142,8 +143,9 @@ def decoder_layers_speedup(base_tps: float, tps: float, head_s: float) -> float 
 
 
 def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quick=False, json_path=None,
-        png_path=None, dtype=None, quant=None, model_path=None) -> int:
-    """GutenOCR-3B dims with random weights, or with `model_path` a checkpoint of any known family (a text
+        png_path=None, dtype=None, quant=None, model_path=None, config_path=None) -> int:
+    """Random weights at a committed config's dimensions (GutenOCR-3B's unless `config_path`, e.g. Qwen3-VL-2B's),
+    reduced to `num_layers` and `vision_depth`, or with `model_path` a checkpoint of any known family (a text
     family runs its first calibration prompt, no image)."""
     from .. import models
     from ..inference import default_dtype, generate, open_image
@@ -154,10 +156,13 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
     config.set_enabled(True)
     print(header("bench e2e"))
     t0 = time.perf_counter()
+    config_path = Path(config_path or GUTENOCR_CONFIG)
+    dims = config_path.parent.name  # gutenocr_3b, qwen3_vl_2b
     if model_path is None:
-        model, processor = random_model(GUTENOCR_CONFIG, num_layers, vision_depth, dtype)
-        what, multimodal = (f"GutenOCR-3B dims, {num_layers} text layers, {vision_depth} vision blocks, random "
-                            f"weights", True)
+        family = models.family(json.loads(config_path.read_text())["model_type"])
+        model, processor = family.random_model(config_path, num_layers, vision_depth, dtype)
+        what, multimodal = (f"{config_path.parent.name} dims ({family.name}), {num_layers} text layers, "
+                            f"{vision_depth} vision blocks, random weights", True)
         prompt = "Read the text in the image."
     else:
         model, processor, family = models.load(model_path, dtype)
@@ -192,8 +197,9 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
                     weights["w8a8_deployed_bytes"] = (weights["float_model_bytes"] - q["releasable_float_bytes"]
                                                       + q["int8_weight_bytes"])
                     if model_path is None:
-                        raw = json.loads(GUTENOCR_CONFIG.read_text())
-                        weights["full_depth"] = full_depth = (raw["num_hidden_layers"], raw["vision_config"]["depth"])
+                        raw = json.loads(config_path.read_text())
+                        layers = raw.get("num_hidden_layers") or raw["text_config"]["num_hidden_layers"]
+                        weights["full_depth"] = full_depth = (layers, raw["vision_config"]["depth"])
                         weights["deployed_vs_float_without_embedding_full_depth"] = full_depth_ratio(
                             model, w8a8, num_layers, vision_depth, full_depth)
             patch_s = time.perf_counter() - tp
@@ -268,7 +274,7 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
         if "full_depth" in weights:
             layers, blocks = weights["full_depth"]
             full = weights["deployed_vs_float_without_embedding_full_depth"]
-            goals.append(goal_line(full <= 0.55, f"W8A8 weights projected to GutenOCR-3B's {layers} layers and {blocks} "
+            goals.append(goal_line(full <= 0.55, f"W8A8 weights projected to {dims}'s {layers} layers and {blocks} "
                                                  f"vision blocks from the per-layer bytes measured here: {full:.3f}x, "
                                                  f"the embedding excluded (goal: <= 0.55x)"))
         print(f"\nweights: {dtype} model {weights['float_model_bytes'] / 2 ** 20:.0f} MB; a W8A8 deployment "
@@ -282,7 +288,7 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
                      f"flipped decode from 2.9x to 0.997x)")
     print("\n" + "\n".join(goals))
     scratch.cleanup()
-    result = {"bench": "e2e", "model": str(model_path) if model_path else "gutenocr_3b dims", "dtype": dtype,
+    result = {"bench": "e2e", "model": str(model_path) if model_path else f"{dims} dims", "dtype": dtype,
               "num_layers": num_layers, "weights": weights,
               "vision_depth": vision_depth, "machine": hardware.capability(),
               "image": list(img.size) if img else None, "new_tokens": new_tokens, "repeats": repeats, "load_s": load_s,
@@ -291,7 +297,8 @@ def run(num_layers=4, vision_depth=4, repeats=3, new_tokens=16, image=None, quic
         write_json(json_path, result)
         print(f"JSON written to {json_path}")
     if png_path:
-        print(save_plot(png_path, lambda plt: _plot(plt, med)))
+        print(save_plot(png_path, lambda plt: _plot(plt, med, f"{dims} dims (reduced depth)" if model_path is None
+                                                    else str(model_path))))
     return 0 if not any(g.startswith("FAIL") for g in goals) else 1
 
 
@@ -307,7 +314,7 @@ def _calibrate(model, processor, prompt, img, path) -> Path:
     return path
 
 
-def _plot(plt, med):
+def _plot(plt, med, what):
     names = list(med)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     axes[0].bar(names, [med[n]["prefill_s"] * 1e3 for n in names], color="tab:blue")
@@ -318,5 +325,5 @@ def _plot(plt, med):
     axes[1].set_ylabel("decode tokens/s (median)")
     for ax in axes:
         ax.tick_params(axis="x", rotation=25)
-    fig.suptitle(f"GutenOCR-3B dims (reduced depth), CPU: {hardware.cpu_model()}")
+    fig.suptitle(f"{what}, CPU: {hardware.cpu_model()}")
     return fig

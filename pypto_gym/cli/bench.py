@@ -24,6 +24,8 @@ def add_parser(sub):
     b = bench_sub.add_parser("e2e", help="end to end at GutenOCR-3B dims: unpatched vs patched variants")
     b.add_argument("--model", help="a checkpoint of any known family instead of GutenOCR-3B dims (e.g. "
                                    "modeling/tiny_qwen3; --num-layers/--vision-depth then do not apply)")
+    b.add_argument("--config", help="random weights at this config's dimensions (default: modeling/gutenocr_3b/"
+                                    "config.json; modeling/qwen3_vl_2b/config.json: Qwen3-VL-2B's)")
     b.add_argument("--num-layers", type=POSITIVE, default=4)
     b.add_argument("--vision-depth", type=POSITIVE, default=4)
     b.add_argument("--repeats", type=POSITIVE, default=3, help="interleaved rounds (median reported)")
@@ -139,9 +141,31 @@ def cmd_bench_e2e(args) -> int:
         raise UserError(f"--model: {args.model} is an int8 checkpoint; bench e2e times a float model against itself "
                         f"patched (give the float checkpoint, with --quant w8a8 for the W8A8 variant; `infer --model "
                         f"{args.model} --use_pto --quant w8a8` times the export as stored)")
+    if args.config:
+        _random_weight_config(args)
     json_path, png_path = bench_outputs(args, "e2e")
     return e2e_bench.run(args.num_layers, args.vision_depth, args.repeats, args.max_new_tokens, args.image,
-                         args.quick, json_path, png_path, args.dtype, args.quant, args.model)
+                         args.quick, json_path, png_path, args.dtype, args.quant, args.model, args.config)
+
+
+def _random_weight_config(args) -> None:
+    """--config for bench e2e: a multimodal family's config that random weights can be built from, not with --model."""
+    import json
+
+    from .. import models
+
+    if args.model:
+        raise UserError("--model and --config: give one (a checkpoint, or a config for random weights)")
+    path = Path(args.config)
+    if not path.is_file():
+        raise UserError(f"--config: no config file at {path}")
+    try:
+        family = models.family(json.loads(path.read_text()).get("model_type"))
+    except (ValueError, AttributeError) as e:
+        raise UserError(f"--config: {e}") from None
+    if family.random_model is None or not family.multimodal:
+        raise UserError(f"--config: bench e2e builds random weights for a vision-language family's config "
+                        f"(modeling/gutenocr_3b, modeling/qwen3_vl_2b), not {family.name}'s")
 
 
 def cmd_bench_cases(args) -> int:
