@@ -14,7 +14,7 @@ from pypto_gym.ops import OPS, registry
 from pypto_gym.kernels.npu.backend import NpuBackend, chip_series
 from pypto_gym.ops.quantize import pack_int4_to_int32, unpack_int4_from_int32
 
-from support import assert_close
+from support import assert_close, compare_outputs
 
 sys.path.insert(0, str(Path(__file__).parent / "contract"))
 import torch_npu_standin  # noqa: E402
@@ -763,3 +763,21 @@ def test_a_torch_npu_release_without_a_function_declines_the_ops_that_call_it(np
     assert npu.supports(op, *args) is None
     monkeypatch.delattr(torch_npu_standin, function)
     assert npu.supports(op, *args) == f"this torch_npu has no {function} (op-plugin {SINCE[function]} and later)"
+
+
+def test_interleaved_mrope_maps_onto_npu_mrope_cache_mode_interleave(npu, monkeypatch):
+    """Qwen3-VL's interleaved MRoPE ([24, 20, 20], head 128) is npu_mrope's cache_mode="interleave" (op-plugin
+    26.0.0's keyword, passed only then): within precision of the golden (vLLM's apply_interleaved_rope), where the
+    chunked call would be far off."""
+    op = OPS["rotary_embedding"]
+    base = {"P": (3,), "T": 9, "Q": (2 * 128,), "K": (128,), "M": 40, "E": 128, "head_size": 128,
+            "cast_mode": "fp32", "mrope_section": [24, 20, 20]}
+    args = op.example_args({**base, "mrope_interleaved": True})
+    assert npu.supports("rotary_embedding", *args) is None
+    sent, real = [], torch_npu_standin.npu_mrope
+    monkeypatch.setattr(torch_npu_standin, "npu_mrope", lambda *a, **k: sent.append(k) or real(*a, **k))
+    got = npu.rotary_embedding(*args)
+    assert_close(got, op.golden(*args), op.outputs)
+    assert sent[-1]["cache_mode"] == "interleave"
+    chunked = npu.rotary_embedding(*args[:-1], False)
+    assert "cache_mode" not in sent[-1] and not compare_outputs(chunked, op.golden(*args), op.outputs)[0].passed

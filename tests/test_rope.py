@@ -287,7 +287,7 @@ def test_rotary_embedding_into_its_inputs_rotates_them_in_place(backend):
     q, k, v = qkv.split([2 * 64, 64, 64], dim=-1)
     positions = torch.randint(0, 16, (T,), generator=gen)
     want = OPS["rotary_embedding"].golden(positions, q.clone(), k.clone(), cache, 64, (), "hf")
-    got = OPS["rotary_embedding"].call((positions, q, k, cache, 64, [], "hf"), backend, None, into=(q, k))
+    got = OPS["rotary_embedding"].call((positions, q, k, cache, 64, [], "hf", False), backend, None, into=(q, k))
     assert got[0] is q and got[1] is k
     assert torch.equal(q, want[0]) and torch.equal(k, want[1])
     assert torch.equal(v, before[:, 3 * 64:])
@@ -308,7 +308,7 @@ def test_rotary_embedding_cpu_writes_any_layout_in_place(layout):
         q, k = (torch.randn(shape(n), generator=gen).to(torch.bfloat16) for n in (4, 2))
     positions = torch.randint(0, 16, (T,), generator=gen)
     want = OPS["rotary_embedding"].golden(positions, q.clone(), k.clone(), cache, D, (), "hf")
-    got = OPS["rotary_embedding"].call((positions, q, k, cache, D, [], "hf"), "cpu", None, into=(q, k))
+    got = OPS["rotary_embedding"].call((positions, q, k, cache, D, [], "hf", False), "cpu", None, into=(q, k))
     assert got[0] is q and got[1] is k
     assert torch.equal(q, want[0]) and torch.equal(k, want[1])
 

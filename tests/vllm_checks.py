@@ -119,6 +119,19 @@ def run_checks(backend, check, same, gen, providers, ir_ops):
                 want = mrope.forward_native(pos, q.clone(), k.clone())
                 got = mrope.forward_cpu(pos, q.clone(), k.clone())
                 check(f"{backend} MRotaryEmbedding", same(got, want), f"{dtype} positions {tuple(pos.shape)}")
+            interleaved = get_rope(128, max_position=512, is_neox_style=True, dtype=dtype,  # Qwen3-VL's
+                                   rope_parameters={"rope_theta": 5000000.0, "rope_type": "default",
+                                                    "mrope_section": [24, 20, 20], "mrope_interleaved": True})
+            check("interleaved MRotaryEmbedding is pypto-gym's", "PyptoGym" in type(interleaved).__name__
+                  and interleaved.mrope_interleaved, type(interleaved).__name__)
+            pos = torch.randint(0, 512, (3, 7), generator=gen)
+            q, k = torch.randn(7, 2 * 128, generator=gen).to(dtype), torch.randn(7, 128, generator=gen).to(dtype)
+            stats = providers.COUNTERS.stats["MRotaryEmbedding"]
+            ran = sum(stats.ran.values())
+            want = interleaved.forward_native(pos, q.clone(), k.clone())
+            got = interleaved.forward_cpu(pos, q.clone(), k.clone())
+            check(f"{backend} interleaved MRotaryEmbedding", same(got, want) and sum(stats.ran.values()) == ran + 1,
+                  f"{dtype}: ran {dict(stats.ran)}, declined {dict(providers.COUNTERS.declined['MRotaryEmbedding'])}")
         gptj = get_rope(64, max_position=64, is_neox_style=False, rope_parameters={"rope_theta": 10000.0},
                         dtype=torch.float32)
         pos, q, k = torch.arange(3), torch.randn(3, 128, generator=gen), torch.randn(3, 64, generator=gen)

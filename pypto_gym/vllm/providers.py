@@ -17,9 +17,9 @@ proves each against vLLM's own code in its venv):
   bf16 outputs). q and k in one call, a partial `rotary_dim`, written over query and key in place, as vLLM's CPU
   kernel does (no gathered table, no new tensors). GPT-J's interleaved rotation is declined (not a layout the op
   has).
-- `MRotaryEmbedding` -> `rotary_embedding` with Qwen2.5-VL's `mrope_section` (positions [3, T]), cast mode `hf`:
-  vLLM has no CPU kernel for it and runs `forward_native`, which rounds cos/sin and every product to the model
-  dtype. Interleaved sections are declined.
+- `MRotaryEmbedding` -> `rotary_embedding` with Qwen2.5-VL's `mrope_section` (positions [3, T]), or Qwen3-VL's
+  interleaved sections (`mrope_interleaved`: vLLM's `apply_interleaved_rope`), cast mode `hf`: vLLM has no CPU kernel
+  for it and runs `forward_native`, which rounds cos/sin and every product to the model dtype.
 
 So each provider computes what vLLM computes without it on the same CPU, bit for bit (in fp32 the C++ rotary
 contracts x*cos - y*sin into an FMA, which the op's kernels never do: there the provider is forward_native's
@@ -211,7 +211,8 @@ def _rotary_class():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.__dict__["_pypto_gym"] = (_layer_reason(self), bound(
-                "RotaryEmbedding", "rotary_embedding", head_size=self.head_size, mrope_section=(), cast_mode="fp32"))
+                "RotaryEmbedding", "rotary_embedding", head_size=self.head_size, mrope_section=(), cast_mode="fp32",
+                mrope_interleaved=False))
 
         def forward_cpu(self, positions, query, key=None):
             return self._run(positions, query, key, super().forward_cpu)
@@ -241,15 +242,17 @@ def _mrotary_class():
     from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
 
     class PyptoGymMRotaryEmbedding(MRotaryEmbedding):
-        """Qwen2.5-VL's multimodal rotary embedding by pypto-gym's rope with its mrope sections."""
+        """Qwen2.5-VL's and Qwen3-VL's multimodal rotary embedding by pypto-gym's rope with its mrope sections
+        (chunked, or interleaved)."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             constants = {"head_size": self.head_size, "cast_mode": "hf"}
             self.__dict__["_pypto_gym"] = (_layer_reason(self), {  # text positions [T] or multimodal [3, T]
-                1: bound("MRotaryEmbedding", "rotary_embedding", mrope_section=(), **constants),
+                1: bound("MRotaryEmbedding", "rotary_embedding", mrope_section=(), mrope_interleaved=False,
+                         **constants),
                 2: bound("MRotaryEmbedding", "rotary_embedding", mrope_section=tuple(self.mrope_section or ()),
-                         **constants)})
+                         mrope_interleaved=bool(self.mrope_interleaved and self.mrope_section), **constants)})
 
         def forward_cpu(self, positions, query, key=None, offsets=None):
             return self._run(positions, query, key, offsets, super().forward_cpu)
@@ -262,8 +265,8 @@ def _mrotary_class():
             reason = reason or _call_reason(query, key)
             if reason is None and offsets is not None:
                 reason = "per-token position offsets"
-            if reason is None and positions.ndim == 2 and (self.mrope_interleaved or not self.mrope_section):
-                reason = "interleaved mrope sections" if self.mrope_section else "[3, T] positions without sections"
+            if reason is None and positions.ndim == 2 and not self.mrope_section:
+                reason = "[3, T] positions without sections"
             if reason is None:
                 return _rotate_in_place(self, calls[positions.ndim], positions, query, key)
             COUNTERS.decline("MRotaryEmbedding", reason)

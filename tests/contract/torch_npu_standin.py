@@ -400,12 +400,19 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half"):
     return _rotary(input, r1, r2)
 
 
-def npu_mrope(positions, query, key, cos_sin_cache, head_size, *, mrope_section=None, rotary_mode="half"):
-    """aclnnRopeWithSinCosCache: cos, sin = cos_sin_cache[positions].chunk(2) (mrope: section i from positions[i]),
+def npu_mrope(positions, query, key, cos_sin_cache, head_size, *, mrope_section=None, rotary_mode="half",
+              cache_mode="default"):
+    """aclnnRopeWithSinCosCache: cos, sin = cos_sin_cache[positions].chunk(2) (mrope: section i from positions[i];
+    cache_mode "interleave": the page's formula, rows 1 and 2 at columns 1::3 and 2::3 up to 3 x mrope_section[1]),
     the first rot dims of each head rotated, the rest passed through; Atlas A2/A3 only."""
     calls.append("npu_mrope")
     _check(_a2_a3(), "npu_mrope: Atlas A2/A3 only")
     _check(rotary_mode == "half", f"npu_mrope: rotary_mode {rotary_mode!r} (this stand-in: half)")
+    # cache_mode: RoPE takes only "default"; MRoPE "default" or "interleave", not with [16, 16, 16, 16]
+    _check(cache_mode in ("default", "interleave"), f"npu_mrope: cache_mode {cache_mode!r}")
+    _check(cache_mode == "default" or (positions.dim() == 2 and mrope_section not in (None, [0, 0, 0])
+                                       and len(mrope_section) == 3),
+           f"npu_mrope: cache_mode 'interleave' needs three MRoPE sections, got {mrope_section}")
     _check(positions.dtype in (torch.int32, torch.int64) and positions.dim() in (1, 2),
            f"npu_mrope: positions {positions.dtype} {tuple(positions.shape)}")
     _check(query.dim() == 2 and key.dim() == 2 and cos_sin_cache.dim() == 2, "npu_mrope: 2-D query, key, cache")
@@ -425,8 +432,18 @@ def npu_mrope(positions, query, key, cos_sin_cache, head_size, *, mrope_section=
     if positions.dim() == 2:
         _check(positions.shape[0] == 3 and mrope_section is not None and len(mrope_section) == 3
                and 2 * sum(mrope_section) == rot, f"npu_mrope: mrope_section {mrope_section}")
-        starts = [0, mrope_section[0], mrope_section[0] + mrope_section[1], rot // 2]
-        cos, sin = (torch.cat([t[i, :, starts[i]:starts[i + 1]] for i in range(3)], dim=-1) for t in (cos, sin))
+        if cache_mode == "interleave":  # the page's formula: mropeSection[1] bounds both rows' columns
+            n = mrope_section[1] * 3
+
+            def interleave(t):
+                out = t[0].clone()
+                out[..., 1:n:3], out[..., 2:n:3] = t[1, ..., 1:n:3], t[2, ..., 2:n:3]
+                return out
+            cos, sin = interleave(cos), interleave(sin)
+        else:
+            starts = [0, mrope_section[0], mrope_section[0] + mrope_section[1], rot // 2]
+            cos, sin = (torch.cat([t[i, :, starts[i]:starts[i + 1]] for i in range(3)], dim=-1)
+                        for t in (cos, sin))
 
     def one(x):
         x3 = x.float().reshape(T, -1, head_size)

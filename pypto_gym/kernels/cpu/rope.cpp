@@ -206,7 +206,8 @@ std::tuple<at::Tensor, at::Tensor> rope_entry(const at::Tensor& q, const at::Ten
 }
 
 // rotary_embedding (vLLM's form): each token's cos and sin read from the [M, E] cache (cos half | sin half) at its
-// position (MRoPE: column chunk c of the half from positions' row c), rounded to the query dtype in hf mode (vLLM's
+// position (MRoPE: column chunk c of the half from positions' row c; interleaved MRoPE: column j from row 1 or 2
+// where j % 3 is 1 or 2 within 3 x that row's section, row 0 elsewhere), rounded to the query dtype in hf mode (vLLM's
 // cos.to(x.dtype)), kept half-width (both halves of a head rotate with the same angles); then every head of q and
 // k rotated. q, k and the outputs are read and written where they are when [T, H * D] or [T, H, D] with any token
 // (and head) stride and D contiguous (vLLM's views of its qkv projection), through a contiguous stand-in
@@ -234,8 +235,8 @@ struct TokenHeads {  // one [T, H, D] or [T, H * D] tensor: where head h of toke
 };
 
 void rotary_embedding_entry(const at::Tensor& positions_in, const at::Tensor& q_in, const at::Tensor& k_in,
-                            const at::Tensor& cache_in, int64_t D, const std::vector<int64_t>& sections, int64_t mode,
-                            const at::Tensor& oq_out, const at::Tensor& ok_out) {
+                            const at::Tensor& cache_in, int64_t D, const std::vector<int64_t>& sections,
+                            bool interleaved, int64_t mode, const at::Tensor& oq_out, const at::Tensor& ok_out) {
   const at::Tensor positions = positions_in.scalar_type() == at::kLong ? positions_in.contiguous()  // no dispatch
                                                                          : positions_in.to(at::kLong).contiguous();
   const at::Tensor cache = cache_in.contiguous();
@@ -254,10 +255,16 @@ void rotary_embedding_entry(const at::Tensor& positions_in, const at::Tensor& q_
   if (!sections.empty()) {
     TORCH_CHECK(positions.dim() == 2 && (int64_t)sections.size() == positions.size(0),
                 "rotary_embedding: one positions row per section");
-    int64_t j = 0;
-    for (size_t c = 0; c < sections.size(); ++c)
-      for (int64_t n = 0; n < sections[c] && j < half; ++n) plane[j++] = (int64_t)c;
-    TORCH_CHECK(j == half, "rotary_embedding: sections must cover E / 2 columns");
+    if (interleaved) {  // Qwen3-VL's: vLLM's apply_interleaved_rope, column by column
+      TORCH_CHECK(sections.size() == 3, "rotary_embedding: interleaved MRoPE takes 3 sections");
+      for (int64_t j = 0; j < half; ++j)
+        plane[j] = (j % 3 == 1 && j < 3 * sections[1]) ? 1 : (j % 3 == 2 && j < 3 * sections[2]) ? 2 : 0;
+    } else {
+      int64_t j = 0;
+      for (size_t c = 0; c < sections.size(); ++c)
+        for (int64_t n = 0; n < sections[c] && j < half; ++n) plane[j++] = (int64_t)c;
+      TORCH_CHECK(j == half, "rotary_embedding: sections must cover E / 2 columns");
+    }
   }
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t i = 0; i < positions.numel(); ++i)  // before anything is written: the outputs may be the inputs
@@ -392,6 +399,7 @@ PG_KERNELS(rope) {
         "qk_norm_rope(q, k, cos, sin, geometry, sections, mode, dtype_q, dtype_k, q_weight, k_weight, q_eps, k_eps, "
         "out_q, out_k) -> (q_embed, k_embed)");
   m.def("rotary_embedding", &rotary_embedding_entry,
-        "rotary_embedding(positions, q, k, cos_sin_cache, head_size, sections, mode, out_q, out_k): writes out_q/out_k "
+        "rotary_embedding(positions, q, k, cos_sin_cache, head_size, sections, interleaved, mode, out_q, out_k): "
+        "writes out_q/out_k "
         "(which may be q and k)");
 }

@@ -63,13 +63,14 @@ def _cache_supported(backend, positions, query, key, cache, *rest):
 
 
 @ROTARY_EMBEDDING.impl("cpu", supports=_cache_supported, into=True)
-def _(backend, positions, query, key, cos_sin_cache, head_size, mrope_section, cast_mode, out=None):
+def _(backend, positions, query, key, cos_sin_cache, head_size, mrope_section, cast_mode, mrope_interleaved,
+      out=None):
     """rope.cpp's rotary_embedding: each token's cos/sin row read from the cache at its position(s), every head of
     q and k rotated with it; written over `out` (the inputs themselves for vLLM: in place) or new tensors. The
     kernel reads vLLM's [T, H * D] row views where they are and copies any other layout itself."""
     oq, ok = out if out is not None else (torch.empty(query.shape, dtype=query.dtype),
                                           torch.empty(key.shape, dtype=key.dtype))
-    backend.ext.rotary_embedding(positions, query, key, cos_sin_cache, head_size, mrope_section, MODES[cast_mode],
-                                 oq, ok)
+    backend.ext.rotary_embedding(positions, query, key, cos_sin_cache, head_size, mrope_section, mrope_interleaved,
+                                 MODES[cast_mode], oq, ok)
     return oq, ok
 

@@ -31,10 +31,10 @@ SINCE = {"npu_mrope": "7.0.0", "npu_dequant_swiglu_quant": "7.0.0", "npu_add_rms
          "npu_add_rms_norm_dynamic_quant": "7.2.0", "npu_swiglu_quant": "7.2.0",
          "npu_trans_quant_param(round_mode)": "7.1.0", "npu_rotary_mul(rotary_mode)": "7.0.0",
          "npu_add_rms_norm_quant(beta)": "7.2.0", "npu_apply_rotary_pos_emb(rotary_mode)": "7.2.0",
-         "npu_add_rms_norm_dynamic_quant(y_dtype)": "26.0.0"}
+         "npu_add_rms_norm_dynamic_quant(y_dtype)": "26.0.0", "npu_mrope(cache_mode)": "26.0.0"}
 NEWER_KEYWORDS = {"npu_add_rms_norm_dynamic_quant": ("y_dtype", "beta"), "npu_add_rms_norm_quant": ("beta",),
                   "npu_apply_rotary_pos_emb": ("rotary_mode",), "npu_rotary_mul": ("rotary_mode",),
-                  "npu_mrope": ("rotary_mode",)}
+                  "npu_mrope": ("rotary_mode", "cache_mode")}
 
 
 def chip_series(device_name: str) -> str:

@@ -124,11 +124,15 @@ def _(backend, q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps, 
 # (aclnnRopeWithSinCosCache) is this op: positions (T,) or (3, T), query [T, Hq * head_size]; Atlas A2/A3 only.
 # Its rounding is not documented as the query dtype's per product: 16-bit hf calls are declined as for rope.
 # Its page's limits (torch_npu-npu_mrope.md, 约束说明): mrope_section one of four documented splits (or none);
-# head_size and rotary_dim multiples of 16 in fp32 (32 in fp16/bf16): the call is made in fp32.
+# head_size and rotary_dim multiples of 16 in fp32 (32 in fp16/bf16): the call is made in fp32. Interleaved MRoPE
+# (Qwen3-VL's) is its cache_mode="interleave" (op-plugin 26.0.0 and later; not with [16, 16, 16, 16]): its page's
+# formula takes rows 1 and 2 at columns 1::3 and 2::3 up to 3 x mrope_section[1] both, vLLM's up to 3 x section[1]
+# and 3 x section[2]: the same where the two sections are equal, as in every documented split, so only those map.
 NPU_MROPE_SECTIONS = ([16, 24, 24], [24, 20, 20], [8, 12, 12], [16, 16, 16, 16])
 
 
-def _npu_rotary_supports(backend, positions, query, key, cache, head_size, mrope_section, cast_mode):
+def _npu_rotary_supports(backend, positions, query, key, cache, head_size, mrope_section, cast_mode,
+                         mrope_interleaved):
     reason = angles_not_float(cache)
     if reason:
         return reason
@@ -136,6 +140,8 @@ def _npu_rotary_supports(backend, positions, query, key, cache, head_size, mrope
         return "npu_mrope: Atlas A2/A3 only"
     if list(mrope_section) and list(mrope_section) not in NPU_MROPE_SECTIONS:
         return f"npu_mrope: mrope_section {list(mrope_section)} is not one of the documented {NPU_MROPE_SECTIONS}"
+    if mrope_interleaved and len(mrope_section) != 3:
+        return f"npu_mrope: cache_mode 'interleave' is documented for 3 sections, not {list(mrope_section)}"
     rotary_dim = cache.shape[-1]
     if head_size % 16 or rotary_dim % 16:
         return f"npu_mrope: head_size {head_size} and rotary_dim {rotary_dim} must be multiples of 16 (fp32)"
@@ -146,11 +152,12 @@ def _npu_rotary_supports(backend, positions, query, key, cache, head_size, mrope
 
 
 @ROTARY_EMBEDDING.impl("npu", supports=needs("npu_mrope")(_npu_rotary_supports))
-def _(backend, positions, query, key, cos_sin_cache, head_size, mrope_section, cast_mode):
+def _(backend, positions, query, key, cos_sin_cache, head_size, mrope_section, cast_mode, mrope_interleaved):
     T = positions.shape[-1]
     q2, k2 = (x.reshape(T, -1).float() for x in (query, key))
     cache = converted_once(cos_sin_cache, "fp32", lambda c: c.float())  # once per cache and version, not per call
+    newer = {"cache_mode": "interleave"} if mrope_interleaved else {}  # a keyword older releases lack
     yq, yk = backend.torch_npu().npu_mrope(positions.to(torch.int64), q2, k2, cache, head_size,
-                                           mrope_section=list(mrope_section) or None)  # rotary_mode "half"
+                                           mrope_section=list(mrope_section) or None, **newer)  # rotary_mode "half"
     return yq.to(query.dtype).reshape(query.shape), yk.to(key.dtype).reshape(key.shape)
 

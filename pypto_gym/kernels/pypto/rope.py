@@ -145,11 +145,11 @@ def _(backend, q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps, 
 
 @ROTARY_EMBEDDING.impl("pypto", supports=lambda backend, positions, query, key, cache, *rest:
                        backend.runs_on(query) or angles_not_float(cache))
-def _(backend, positions, query, key, cos_sin_cache, head_size, mrope_section, cast_mode):
+def _(backend, positions, query, key, cos_sin_cache, head_size, mrope_section, cast_mode, mrope_interleaved):
     """The rope kernel on [T, H, D] views, cos and sin gathered at full rotary width on the host (the section
-    merge too): the rotation the device runs is rope's, verified at the compiled level."""
+    merge, or interleave, too): the rotation the device runs is rope's, verified at the compiled level."""
     T = positions.shape[-1]
-    cos, sin = cached_angles(positions, cos_sin_cache, mrope_section)
+    cos, sin = cached_angles(positions, cos_sin_cache, mrope_section, mrope_interleaved)
     if cast_mode == "hf":
         cos, sin = cos.to(query.dtype), sin.to(query.dtype)
     cos, sin = torch.cat((cos, cos), dim=-1).contiguous(), torch.cat((sin, sin), dim=-1).contiguous()

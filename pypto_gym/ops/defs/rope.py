@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from ..args import FLOAT_DTYPES, ArgValueError, Choice, Float, Int, Ints, Output, Tensor
+from ..args import FLOAT_DTYPES, ArgValueError, Bool, Choice, Float, Int, Ints, Output, Tensor
 from ..op import Backward, Op
 from .rms_norm import rms_norm
 
@@ -212,13 +212,15 @@ OPS_BY_GRAD = {ROPE_NAMES: ROPE, QK_NAMES: QK_NORM_ROPE}
 
 
 # ---- rotary_embedding: vLLM's form, cos/sin read from a position-indexed cache -----------------------------
-def rotary_embedding(positions, query, key, cos_sin_cache, head_size, mrope_section=(), cast_mode="hf"):
+def rotary_embedding(positions, query, key, cos_sin_cache, head_size, mrope_section=(), cast_mode="hf",
+                     mrope_interleaved=False):
     """vLLM's neox rotary embedding: cos, sin = cos_sin_cache[positions].chunk(2) (MRoPE: section i of them from
-    positions[i]); each head's first rot = cos_sin_cache.shape[-1] dims rotated, (x1*cos - x2*sin, x2*cos +
-    x1*sin), the rest passed through; `hf` in the query's dtype (cos and sin rounded to it first), `fp32` in fp32
-    with one rounding. Outputs shaped like query and key."""
+    positions[i]; interleaved MRoPE, Qwen3-VL's: column j from row 1 or 2 where j % 3 is 1 or 2 within 3 x its
+    section, row 0 elsewhere); each head's first rot = cos_sin_cache.shape[-1] dims rotated, (x1*cos - x2*sin,
+    x2*cos + x1*sin), the rest passed through; `hf` in the query's dtype (cos and sin rounded to it first), `fp32` in
+    fp32 with one rounding. Outputs shaped like query and key."""
     T = positions.shape[-1]
-    cos, sin = cached_angles(positions, cos_sin_cache, mrope_section)
+    cos, sin = cached_angles(positions, cos_sin_cache, mrope_section, mrope_interleaved)
     rot = 2 * cos.shape[-1]
 
     def one(x):
@@ -231,17 +233,34 @@ def rotary_embedding(positions, query, key, cos_sin_cache, head_size, mrope_sect
     return one(query), one(key)
 
 
-def cached_angles(positions, cos_sin_cache, mrope_section):
+def cached_angles(positions, cos_sin_cache, mrope_section, interleaved=False):
     """(cos, sin) halves [T, rot/2] at each token's position: vLLM's `cos_sin_cache[positions].chunk(2)`, MRoPE's
-    section i taken from positions row i."""
+    section i taken from positions row i, or interleaved as vLLM's `apply_interleaved_rope` does (column j from row
+    1 where j % 3 == 1 and j < 3 * section[1], from row 2 where j % 3 == 2 and j < 3 * section[2], else row 0)."""
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    if mrope_section:
+    if mrope_section and interleaved:
+        planes = mrope_planes(mrope_section, cos.shape[-1], True, cos.device)
+        cos, sin = (t.gather(0, planes.expand(1, t.shape[1], -1)).squeeze(0) for t in (cos, sin))
+    elif mrope_section:
         cos, sin = (torch.cat([m[i] for i, m in enumerate(t.split(list(mrope_section), dim=-1))], dim=-1)
                     for t in (cos, sin))
     return cos, sin
 
 
-def _check_rotary_embedding(ctx, positions, query, key, cache, head_size, mrope_section, cast_mode):
+def mrope_planes(mrope_section, half: int, interleaved: bool, device=None) -> torch.Tensor:
+    """[1, 1, half] int64: the positions row (plane) each column of the angles' half reads."""
+    j = torch.arange(half, device=device)
+    if interleaved:
+        s1, s2 = mrope_section[1], mrope_section[2]
+        plane = torch.where((j % 3 == 1) & (j < 3 * s1), 1, torch.where((j % 3 == 2) & (j < 3 * s2), 2, 0))
+    else:
+        plane = torch.repeat_interleave(torch.arange(len(mrope_section), device=device),
+                                        torch.tensor(list(mrope_section), device=device))
+    return plane.reshape(1, 1, half)
+
+
+def _check_rotary_embedding(ctx, positions, query, key, cache, head_size, mrope_section, cast_mode,
+                            mrope_interleaved):
     E = cache.shape[-1]
     if E % 2 or E > head_size:
         raise ArgValueError("cos_sin_cache", f"rotary dim {E} (shape {tuple(cache.shape)}); expected an even dim "
@@ -261,6 +280,9 @@ def _check_rotary_embedding(ctx, positions, query, key, cache, head_size, mrope_
     elif mrope_section:
         raise ArgValueError("mrope_section", f"{list(mrope_section)} with 1-d positions; expected () (sections "
                                              f"need (3, T) positions)", "value")
+    if mrope_interleaved and not mrope_section:
+        raise ArgValueError("mrope_interleaved", "True without mrope_section; expected sections to interleave",
+                            "value")
     if positions.device.type == "cpu" and positions.numel():
         low, high = int(positions.min()), int(positions.max())
         if low < 0 or high >= cache.shape[0]:
@@ -281,7 +303,11 @@ ROTARY_EXAMPLES = ({"P": (), "T": 5, "Q": (4 * 64,), "K": (2 * 64,), "M": 32, "E
                    {"P": (), "T": 4, "Q": (2 * 80,), "K": (2 * 80,), "M": 16, "E": 80, "head_size": 80,
                     "cast_mode": "fp32"},
                    {"P": (), "T": 2, "Q": (3, 16), "K": (1, 16), "M": 16, "E": 16, "head_size": 16,
-                    "dtype": torch.float32, "cos_sin_cache_dtype": torch.float32})
+                    "dtype": torch.float32, "cos_sin_cache_dtype": torch.float32},
+                   {"P": (3,), "T": 7, "Q": (4 * 64,), "K": (2 * 64,), "M": 24, "E": 64, "head_size": 64,
+                    "mrope_section": [12, 10, 10], "mrope_interleaved": True},
+                   {"P": (3,), "T": 3, "Q": (2 * 32,), "K": (32,), "M": 16, "E": 32, "head_size": 32,
+                    "mrope_section": [6, 5, 5], "mrope_interleaved": True, "cast_mode": "fp32"})
 
 
 ROTARY_EMBEDDING = Op(rotary_embedding, [
@@ -292,6 +318,7 @@ ROTARY_EMBEDDING = Op(rotary_embedding, [
     Int("head_size", low=2, high=1 << 16),
     Ints("mrope_section", default=()),
     Choice("cast_mode", CAST_MODES, default="hf", kw_only=True),
+    Bool("mrope_interleaved", default=False, kw_only=True),
 ], [Output("query_out", "rotation"), Output("key_out", "rotation")], check=_check_rotary_embedding,
     examples=ROTARY_EXAMPLES)
 
