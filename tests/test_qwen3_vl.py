@@ -14,7 +14,7 @@ from models import qwen3_vl_inputs, tiny_qwen3_vl
 pytest.importorskip("transformers.models.qwen3_vl")
 
 KINDS = {"rms_norm", "swiglu", "rope", "qk_norm_rope", "varlen_attention", "decoder_attention", "patch_embed",
-         "layer_norm", "linear"}
+         "layer_norm", "linear"}  # add_layer_norm runs in layer_norm's sites (their rows' op)
 
 
 def _merger_mlp(row) -> bool:
@@ -58,7 +58,11 @@ def test_patched_qwen3_vl_generates_as_unpatched(model, backend, grids):
         assert all(set(r["ran_on"]) <= {backend} for r in rows) and not report.to_json()["summary"]["fallbacks"]
         kinds = {r["kind"] for r in rows if r["op"] == "layer_norm"}
         assert kinds == {"vision.norm1", "vision.norm2", "vision.merger.norm", "vision.deepstack_merger.norm"}
-        assert report.to_json()["summary"]["fused_layers"] == model.config.text_config.num_hidden_layers
+        # every decoder layer and every vision block: its residual add fused into norm2 (add_layer_norm)
+        assert report.to_json()["summary"]["fused_layers"] == \
+            model.config.text_config.num_hidden_layers + model.config.vision_config.depth
+        norm2 = [r for r in rows if r["kind"] == "vision.norm2"]
+        assert norm2 and all(r["fused_residual"] and r["calls"] for r in norm2)
         if backend == "torch":  # the goldens are HF's own functions: bit for bit, DeepStack adds included
             assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
         else:  # the same tokens, or apart first where the unpatched run had a near-tie (the cpu kernels round within
@@ -93,7 +97,9 @@ def test_a_fused_add_norm_does_not_swallow_the_deepstack_add():
         assert torch.equal(want, with_features) is not zeroed  # the features change this model's logits
         report = pypto_gym.patch_model(model, backend="torch", strict=True)
         try:
-            assert report.to_json()["summary"]["fused_layers"] == model.config.text_config.num_hidden_layers
+            # every decoder layer and every vision block: its residual add fused into norm2 (add_layer_norm)
+            assert report.to_json()["summary"]["fused_layers"] == \
+                model.config.text_config.num_hidden_layers + model.config.vision_config.depth
             assert torch.equal(_run(model, inputs)[1], want)
         finally:
             pypto_gym.unpatch_model(model)

@@ -1,12 +1,15 @@
-"""The residual-add rule: `residual + h` followed by the next norm becomes one `add_rms_norm`, by
-rewriting layer forwards (rewrite.py: the class's own forward source with two statement patterns
-changed, checked numerically against the original on its first call):
+"""The residual-add rule: `residual + h` followed by the next norm becomes one `add_rms_norm` (an RMSNorm site) or
+`add_layer_norm` (a LayerNorm site: Qwen3-VL's vision blocks), by rewriting layer forwards (rewrite.py: the class's
+own forward source with two statement patterns changed, checked numerically against the original on its first
+call):
 
   decoder:  H = R + H ; R = H ; ... self.NORM(H) ...   ->  __n, R = add_norm(self.NORM, H, R) ; H = R ; ... __n ...
   vision:   H = H + E ; ... self.NORM(H) ...           ->  __n, H = add_norm(self.NORM, E, H) ; ... __n ...
 
-NORM must be a patched norm site; `add_norm` (norm.py) decides per call whether fusing is exactly the
-original (else it adds and calls the norm, counting the bypass and its reason).
+NORM must be a patched norm site that takes a residual (`takes_residual`: its forward(h, residual) returns
+(norm(residual + h), residual + h)); `add_norm` decides per call whether fusing is exactly the original: not when
+the norm has torch hooks (which must see one tensor in and one out) or the add would promote or broadcast; then it
+adds and calls the norm normally, and counts the bypass and its reason.
 """
 from __future__ import annotations
 
@@ -14,13 +17,38 @@ import ast
 
 import torch
 
-from .rules.norm import add_norm, norm_site
 from .rewrite import ReplaceNode, RewrittenForward, name_is, rewritten, self_attr_call
-from .site import SwappedForward
+from .site import SwappedForward, has_hooks, site_of
 
 _FUSED_NAME = "_pypto_gym_normed"
 _HELPER = "_pypto_gym_add_norm"
 _LAYER_SLOT = "_pypto_gym_fused_layer"
+
+
+def residual_site(module):
+    """The patched norm site of `module` that takes a residual, or None."""
+    site = site_of(module)
+    return site if getattr(site, "takes_residual", False) else None
+
+
+def _bypass_reason(norm, hidden, residual) -> str | None:
+    if has_hooks(norm):
+        return "the norm has hooks"
+    if not isinstance(residual, torch.Tensor) or residual.dtype != hidden.dtype or residual.shape != hidden.shape:
+        return "the residual add promotes or broadcasts"
+    return None
+
+
+def add_norm(norm: torch.nn.Module, hidden, residual):
+    """`x_out = residual + hidden; return norm(x_out), x_out`, as one fused op where that is exactly the same."""
+    site = site_of(norm)
+    reason = "the norm is not patched" if residual_site(norm) is None else _bypass_reason(norm, hidden, residual)
+    if reason is None:
+        return norm.forward(hidden, residual=residual)
+    if site is not None:
+        site.bypass(reason)
+    x_out = residual + hidden
+    return norm(x_out), x_out
 
 
 def _assign_to(stmt) -> str | None:
@@ -107,11 +135,11 @@ class FusedLayer(RewrittenForward, SwappedForward):
     def install(self) -> None:
         super().install()
         for name in self.fused:
-            norm_site(getattr(self.module, name)).fused = True
+            residual_site(getattr(self.module, name)).fused = True
 
     def rejected_now(self) -> None:
         for name in self.fused:
-            norm_site(getattr(self.module, name)).fused = False
+            residual_site(getattr(self.module, name)).fused = False
 
 
 def fused_layer_forward(module, *args, **kwargs):
@@ -127,12 +155,12 @@ def fuse_layers(model, layers: list) -> list[dict]:
     `layers`); returns the rows of layers that have a fusable norm but could not be rewritten, with why."""
     skipped = []
     for path, module in model.named_modules():
-        norms = frozenset(name for name, child in module.named_children() if norm_site(child) is not None)
+        norms = frozenset(name for name, child in module.named_children() if residual_site(child) is not None)
         if not norms:
             continue
         fn, fused, reason = fused_forward(type(module), norms)
         if fn is None:
-            kinds = {norm_site(getattr(module, n)).kind for n in norms}
+            kinds = {residual_site(getattr(module, n)).kind for n in norms}
             if kinds & {"text.post_attention_layernorm", "vision.norm2"}:
                 skipped.append({"path": path, "reason": reason})
             continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ... import config
+from ...ops.defs.add_layer_norm import ADD_LAYER_NORM
 from ...ops.defs.layer_norm import LAYER_NORM
 from ...kinds import part
 from ..site import Candidate, Rule, Site, probe_failed, register, weight_details
@@ -60,24 +61,35 @@ def _probe(module, D: int, eps: float) -> str:
 
 
 class LayerNormSite(Site):
-    """One patched vision LayerNorm: layer_norm bound to its eps."""
+    """One patched vision LayerNorm: layer_norm (and add_layer_norm, in a fused block) bound to its eps."""
 
     op = LAYER_NORM.name
+    takes_residual = True  # residual.py fuses the block's residual add into norm2: add_layer_norm
 
     def __init__(self, cand: Candidate, options):
         super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
         self.eps = cand.info["eps"]
         self.call = LAYER_NORM.bind(options.backend, self.stats, eps=self.eps)
+        self.add_call = ADD_LAYER_NORM.bind(options.backend, self.stats, eps=self.eps)
+        self.fused = False
 
     def details(self) -> dict:
-        return {**weight_details(self.module.weight), "eps": self.eps}
+        return {**weight_details(self.module.weight), "eps": self.eps, "fused_residual": self.fused,
+                "fusion_bypassed": dict(self.bypassed)}
 
 
-def layer_norm_forward(module, hidden_states):
+def layer_norm_forward(module, hidden_states, residual=None):
+    """The forward of every patched LayerNorm; with `residual`, returns (norm(residual + h), residual + h)."""
     site = module.__dict__["_pypto_gym_site"]
+    weight, bias = module._parameters["weight"], module._parameters["bias"]
     if _STATE.enabled:
-        return site.call(hidden_states, module._parameters["weight"], module._parameters["bias"])
-    return site.original(hidden_states)
+        if residual is None:
+            return site.call(hidden_states, weight, bias)
+        return site.add_call(residual, hidden_states, weight, bias)
+    if residual is None:
+        return site.original(hidden_states)
+    x_out = residual + hidden_states
+    return site.original(x_out), x_out
 
 
 LayerNormSite.FORWARD = layer_norm_forward

@@ -9,10 +9,8 @@ LayerNorm without a bias) are skipped with the reason. Modules on the meta devic
 they are classified by class name and attributes.
 
 The site keeps the original Parameter (no copy; state_dict keys and `save_pretrained` output
-unchanged). A fused layer (residual.py) calls `add_norm(norm, hidden, residual)` where the original
-did `residual + hidden` and then `norm(...)`: one `add_rms_norm`, unless fusing would not be exactly
-the original (the norm has torch hooks, which must see one tensor in and one out, or the add would
-promote or broadcast); then it adds and calls the norm normally, and counts the bypass and its reason.
+unchanged). A fused layer (residual.py) calls the site's forward with the residual where the original
+did `residual + hidden` and then `norm(...)`: one `add_rms_norm` (`takes_residual`).
 """
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ import torch
 from ... import config
 from ...ops.defs.rms_norm import ADD_RMS_NORM, RMS_NORM
 from ...kinds import part
-from ..site import Candidate, Rule, Site, has_hooks, probe_failed, register, site_of, weight_details
+from ..site import Candidate, Rule, Site, probe_failed, register, site_of, weight_details
 
 TEXT_KINDS = {"input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"}
 _PROBE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -95,6 +93,7 @@ class NormSite(Site):
     """One patched norm: rms_norm (and add_rms_norm, in a fused layer) bound to its eps and cast mode."""
 
     op = RMS_NORM.name
+    takes_residual = True  # residual.py fuses the add before it: forward(h, residual) -> (norm(r + h), r + h)
 
     def __init__(self, cand: Candidate, options):
         super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
@@ -136,26 +135,6 @@ def norm_forward(module, hidden_states, residual=None):
 
 
 NormSite.FORWARD = norm_forward
-
-
-def _bypass_reason(norm, hidden, residual) -> str | None:
-    if has_hooks(norm):
-        return "the norm has hooks"
-    if not isinstance(residual, torch.Tensor) or residual.dtype != hidden.dtype or residual.shape != hidden.shape:
-        return "the residual add promotes or broadcasts"
-    return None
-
-
-def add_norm(norm: torch.nn.Module, hidden, residual):
-    """`x_out = residual + hidden; return norm(x_out), x_out`, as one fused op where that is exactly the same."""
-    site = norm.__dict__.get("_pypto_gym_site")
-    reason = "the norm is not patched" if not isinstance(site, NormSite) else _bypass_reason(norm, hidden, residual)
-    if reason is None:
-        return norm.forward(hidden, residual=residual)
-    if site is not None:
-        site.bypass(reason)
-    x_out = residual + hidden
-    return norm(x_out), x_out
 
 
 class NormRule(Rule):
