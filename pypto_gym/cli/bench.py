@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import BENCH_OUT, POSITIVE, POSITIVE_LIST, UserError, bench_outputs
+from .common import BENCH_OUT, POSITIVE, POSITIVE_LIST, UserError, bench_outputs, config_family
 
 
 def add_parser(sub):
@@ -150,20 +150,10 @@ def cmd_bench_e2e(args) -> int:
 
 def _random_weight_config(args) -> None:
     """--config for bench e2e: a multimodal family's config that random weights can be built from, not with --model."""
-    import json
-
-    from .. import models
-
     if args.model:
         raise UserError("--model and --config: give one (a checkpoint, or a config for random weights)")
-    path = Path(args.config)
-    if not path.is_file():
-        raise UserError(f"--config: no config file at {path}")
-    try:
-        family = models.family(json.loads(path.read_text()).get("model_type"))
-    except (ValueError, AttributeError) as e:
-        raise UserError(f"--config: {e}") from None
-    if family.random_model is None or not family.multimodal:
+    family = config_family(args.config)
+    if not family.multimodal:
         raise UserError(f"--config: bench e2e builds random weights for a vision-language family's config "
                         f"(modeling/gutenocr_3b, modeling/qwen3_vl_2b), not {family.name}'s")
 

@@ -69,10 +69,27 @@ def add_model_args(ap, many: bool = False, random_weights: bool = False):
                          "with AVX512-BF16 or AMX; else float32)")
 
 
-def model_family(args):
-    """The family the flags name (from config.json's model_type), checked before anything is loaded."""
+def config_family(config: str):
+    """The family of a --config file (its config.json's model_type), one that random weights are built for."""
     import json
 
+    from .. import models
+
+    path = Path(config)
+    if not path.is_file():
+        raise UserError(f"--config: no config file at {path}")
+    try:
+        family = models.family(json.loads(path.read_text()).get("model_type"))
+    except (ValueError, AttributeError) as e:
+        raise UserError(f"--config: {e}") from None
+    if family.random_model is None:
+        known = ", ".join(f.name for f in models.FAMILIES.values() if f.random_model is not None)
+        raise UserError(f"--config: random weights are built for the {known} families, not {family.name}")
+    return family
+
+
+def model_family(args):
+    """The family the flags name (from config.json's model_type), checked before anything is loaded."""
     from .. import models
 
     if getattr(args, "config", None) and args.model:
@@ -82,16 +99,7 @@ def model_family(args):
             raise UserError(f"--{flag.replace('_', '-')}: only with --config (a random-weight model of that "
                             f"architecture)")
     if getattr(args, "config", None):
-        path = Path(args.config)
-        if not path.is_file():
-            raise UserError(f"--config: no config file at {path}")
-        try:
-            family = models.family(json.loads(path.read_text()).get("model_type"))
-        except (ValueError, AttributeError) as e:
-            raise UserError(f"--config: {e}") from None
-        if family.random_model is None:
-            known = ", ".join(f.name for f in models.FAMILIES.values() if f.random_model is not None)
-            raise UserError(f"--config: random weights are built for the {known} families, not {family.name}")
+        family = config_family(args.config)
     else:
         family = models.DEFAULT if args.model is None else models.family(models.model_type(args.model))
     images = args.image if isinstance(args.image, list) else [args.image] if args.image else []
