@@ -85,7 +85,7 @@ def test_bench_e2e_runs_at_qwen3_vl_2b_dimensions(tmp_path, capsys):
     assert all(m["vision_s"] > 0 and m["new_tokens"] == 2 for m in data["medians"].values())
     assert "qwen3_vl_2b dims (qwen3_vl), 1 text layers, 1 vision blocks" in capsys.readouterr().out
     assert main(["bench", "e2e", "--config", str(ROOT / "modeling" / "tiny_qwen3" / "config.json")]) == 2
-    assert "--config: bench e2e builds random weights for a vision-language family's config" in \
+    assert "--config: random weights are built for the qwen2_5_vl, qwen3_vl families, not qwen3" in \
         capsys.readouterr().err
 
 
