@@ -5,7 +5,7 @@ generate compiles the decode step when the cache is static and a CompileConfig a
 prefill runs eagerly, so a fast path that remembers something per call in an attribute dynamo guards on
 (a bound op's last call, a counter) changes that attribute between graphs and recompiles the decode graph
 for every new prompt, and `fullgraph=True` with no recompilation allowed then fails. Counted with dynamo's
-own counters, for every site kind of three families, in bf16 and in W8A8.
+own counters, for every site kind of four families (Qwen3-VL's text decode among them), in bf16 and in W8A8.
 """
 import copy
 
@@ -53,7 +53,7 @@ def loaded():
 FAST = {("qwen3", None, "bfloat16"), ("llama", "w8a8", "bfloat16"), ("qwen2_5_vl", None, "bfloat16"),
         ("qwen2_5_vl", "w8a8", "float32")}
 CASES = [(name, quant, "bfloat16") for name in ("qwen3", "llama", "qwen2_5_vl") for quant in (None, "w8a8")]
-CASES += [("qwen3", None, "float32"), ("qwen2_5_vl", "w8a8", "float32")]
+CASES += [("qwen3", None, "float32"), ("qwen2_5_vl", "w8a8", "float32"), ("qwen3_vl", None, "bfloat16")]
 CASES = [case if case in FAST else pytest.param(*case, marks=pytest.mark.integration) for case in CASES]
 
 
