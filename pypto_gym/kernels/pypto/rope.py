@@ -25,8 +25,10 @@ def rope_tiles(T: int, H: int, D: int) -> Tiles:
     return Tiles(rows, cols, heads=H)
 
 
-def _budget(T: int, H: int, D: int) -> Budget:
-    return Budget(vector=rope_tiles(T, H, D).shape, live=LIVE_FP32)
+def _launch_tiles(T: int, H: int, D: int) -> dict:
+    """The launch's tiles and the budget they state (LIVE_FP32 tiles live in UB)."""
+    tiles = rope_tiles(T, H, D)
+    return {"tiles": tiles, "budget": Budget(vector=tiles.shape, live=LIVE_FP32)}
 
 
 def rope_kernel(pypto):
@@ -116,8 +118,7 @@ def _rope(backend, q, k, cos, sin, mrope_section, unsqueeze_dim, cast_mode):
         lay = Layout(q, k, cos, sin, mrope_section, unsqueeze_dim)
         x3, planes, sections = _pypto_inputs(lay, mrope_section)
         backend.launch("rope", rope_kernel, x3[0], [*x3, *planes], _pypto_outputs(lay, (oq, ok)),
-                       [int(cast_mode == "hf"), *sections], tiles=rope_tiles(x3[0].shape[0], lay.Hq, lay.D),
-                       budget=_budget(x3[0].shape[0], lay.Hq, lay.D))
+                       [int(cast_mode == "hf"), *sections], **_launch_tiles(x3[0].shape[0], lay.Hq, lay.D))
         lay.finish()
         return oq, ok
     return pairwise(q, k, cos, cast_mode, run)
@@ -137,7 +138,7 @@ def _(backend, q, k, q_weight, k_weight, cos, sin, mrope_section, q_eps, k_eps, 
         backend.launch("qk_norm_rope", qk_norm_rope_kernel, x3[0], [*x3, *weights, *planes],
                        _pypto_outputs(lay, (oq, ok)),
                        [int(cast_mode == "hf"), *sections, float(qe), float(ke), 1.0 / D],
-                       tiles=rope_tiles(x3[0].shape[0], lay.Hq, D), budget=_budget(x3[0].shape[0], lay.Hq, D))
+                       **_launch_tiles(x3[0].shape[0], lay.Hq, D))
         lay.finish()
         return oq, ok
     return pairwise(q, k, cos, cast_mode, run)
