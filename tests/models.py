@@ -8,6 +8,29 @@ def logits(model, inputs):
         return model(**inputs).logits
 
 
+def assert_fold_scales_the_input(model, inputs, fold):
+    """quant/fold.py's claim for one Fold, on the running model: scaling the source's output channel c by f_c (its
+    weight and bias) scales the linear's input channel j by f[index[j]]; the source's other channels keep 1."""
+    seen = []
+    handle = model.get_submodule(fold.path).register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
+    f = torch.ones(fold.width)
+    f[fold.index] = torch.rand(fold.width, generator=torch.Generator().manual_seed(0))[fold.index] + 0.5
+    params = [fold.source.weight] + ([fold.source.bias] if getattr(fold.source, "bias", None) is not None else [])
+    saved = [p.detach().clone() for p in params]
+    try:
+        logits(model, inputs)
+        with torch.no_grad():
+            for p in params:
+                p.mul_(f.view(-1, *[1] * (p.dim() - 1)))
+        logits(model, inputs)
+    finally:
+        handle.remove()
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+    torch.testing.assert_close(seen[1], seen[0] * f[fold.index], rtol=1e-4, atol=1e-5, msg=fold.path)
+
+
 def tiny_qwen2_vl():
     """Qwen2-VL: RMSNorm in the text model, LayerNorm (not RMSNorm) in the vision tower."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration

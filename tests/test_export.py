@@ -19,6 +19,8 @@ from pypto_gym.patching.api import _STATE_ATTR
 from pypto_gym.quant import export
 from pypto_gym.quant.linear import quant_linear_of
 
+from models import assert_fold_scales_the_input
+
 
 def _inputs(processor, family):
     if family.multimodal:
@@ -425,25 +427,7 @@ def test_each_fold_source_writes_the_channels_the_table_says(tiny_fp32):
     assert "model.visual.merger.mlp.0" in found and "model.visual.merger.mlp.2" not in found  # after GELU: none
     for path in ("model.language_model.layers.0.self_attn.o_proj", "model.visual.blocks.0.attn.proj",
                  "model.visual.merger.mlp.0"):
-        fold = found[path]
-        seen = []
-        handle = model.get_submodule(path).register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
-        f = torch.ones(fold.width)  # the channels it reads (qkv: the v third only) scaled, the others kept
-        f[fold.index] = torch.rand(fold.width, generator=torch.Generator().manual_seed(0))[fold.index] + 0.5
-        params = [fold.source.weight] + ([fold.source.bias] if getattr(fold.source, "bias", None) is not None else [])
-        saved = [p.detach().clone() for p in params]
-        try:
-            _logits(model, batch)
-            with torch.no_grad():
-                for p in params:
-                    p.mul_(f.view(-1, *[1] * (p.dim() - 1)))
-            _logits(model, batch)
-        finally:
-            handle.remove()
-            with torch.no_grad():
-                for p, s in zip(params, saved):
-                    p.copy_(s)
-        torch.testing.assert_close(seen[1], seen[0] * f[fold.index], rtol=1e-4, atol=1e-5, msg=path)
+        assert_fold_scales_the_input(model, batch, found[path])
 
 
 @pytest.fixture(scope="module")

@@ -143,24 +143,43 @@ def quantised():
     return family, model, processor, batch, want, _logits(model, batch), report.to_json()["w8a8"]
 
 
-def test_w8a8_runs_every_decoder_linear_int8_and_keeps_the_vision_tower_float(quantised):
+def _linear_count(model) -> tuple[int, int]:
+    """(decoder linears, vision linears) of a Qwen3-VL: 7 per layer; qkv, proj, fc1, fc2 per block and two per merger
+    (the main one and one per DeepStack tap)."""
+    vc = model.config.vision_config
+    return 7 * model.config.text_config.num_hidden_layers, 4 * vc.depth + 2 * (1 + len(vc.deepstack_visual_indexes))
+
+
+def test_w8a8_runs_every_linear_but_lm_head_int8(quantised):
     """Dynamic W8A8 of the tiny Qwen3-VL: every decoder linear int8, its norms and MLPs handing over int8 rows (the
-    DeepStack adds between the first layers included), the vision tower float (its LayerNorms hand over none, said
-    per linear); logits close to the float model's."""
+    DeepStack adds between the first layers included); every vision linear int8 too, each quantising its own input
+    (its LayerNorms and GELUs hand over none), the blocks' GELU MLP sites running their module's int8 linears, counted
+    as bypasses; lm_head float; logits close to the float model's."""
     family, model, _, _, want, got, q = quantised
+    text_count, vision_count = _linear_count(model)
     text = [r for r in q["linears"] if ".language_model." in r["path"]]
-    assert q["summary"]["int8"] == len(text) == 7 * model.config.text_config.num_hidden_layers
-    assert q["summary"]["fallbacks"] == 0 and all(r["calls"] >= 1 for r in text)
-    for r in text:
+    vision = [r for r in q["linears"] if ".visual." in r["path"]]
+    assert len(text) == text_count and len(vision) == vision_count
+    assert q["summary"]["int8"] == text_count + vision_count and q["summary"]["fallbacks"] == 0
+    assert [r["path"] for r in q["linears"] if r["became"] != "w8a8"] == ["lm_head"]
+    for r in text + vision:
         fed = r["input"].startswith("int8 rows from")
-        assert (r["handed_over"] if fed else r["quantized_here"]) == r["calls"], r
+        assert fed == (r in text and not r["path"].endswith("o_proj")), r
+        assert r["calls"] >= 1 and (r["handed_over"] if fed else r["quantized_here"]) == r["calls"], r
+    sites = pypto_gym.patch_report(model).to_json()["sites"]
+    blocks = [r for r in sites if r["kind"] == "vision.gelu_mlp" and r["status"] == "patched"]
+    assert len(blocks) == model.config.vision_config.depth
+    bypass = "fc1 is an int8 linear (W8A8): the module's forward runs it"
+    assert all(list(r["fusion_bypassed"]) == [bypass] and r["fusion_bypassed"][bypass] >= 1 and r["calls"] == 0
+               for r in blocks), blocks
     cos = torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1))
     assert float(cos.min()) > 0.99, float(cos.min())
 
 
 def test_both_export_formats_load_back_bit_for_bit(quantised, tmp_path):
     """Each export format loads back through export.load (transformers 5.x) with the quantised model's logits bit for
-    bit, and transformers (through compressed-tensors) loads the compressed-tensors export."""
+    bit, every linear but lm_head int8 in it, and transformers (through compressed-tensors) loads the
+    compressed-tensors export."""
     import transformers
 
     if int(transformers.__version__.split(".")[0]) < 5:
@@ -172,13 +191,80 @@ def test_both_export_formats_load_back_bit_for_bit(quantised, tmp_path):
     family, model, processor, batch, _, got, _ = quantised
     for fmt in export.FORMATS:
         wrote = export.save(model, tmp_path / fmt, processor, fmt)
-        assert len(wrote["int8"]) == 7 * model.config.text_config.num_hidden_layers
-        assert any(".visual." in p for p in wrote["ignore"])
+        assert len(wrote["int8"]) == sum(_linear_count(model)) and wrote["ignore"] == ["lm_head"]
         loaded, _, loaded_family, _ = export.load(tmp_path / fmt, backend="cpu", dtype="float32")
         assert loaded_family is family and torch.equal(_logits(loaded, batch), got), fmt
     hf = AutoModelForImageTextToText.from_pretrained(tmp_path / "compressed-tensors", dtype=torch.float32)
     cos = torch.nn.functional.cosine_similarity(_logits(hf, batch).flatten(1), got.flatten(1))
     assert float(cos.min()) > 0.99, float(cos.min())
+
+
+def test_each_vision_fold_source_writes_the_channels_the_table_says():
+    """The family table's folds (models/qwen3_vl.py), checked on the running model: the blocks' qkv and linear_fc1
+    read norm1's and norm2's rows as they are, attn.proj qkv's v third, the main merger's linear_fc1 its norm's rows
+    regrouped (4 rows of D as one of 4D), a DeepStack merger's linear_fc1 its post-shuffle norm's; no linear_fc2 (after
+    GELU) has one."""
+    from pypto_gym import models
+    from pypto_gym.inference import open_image
+    from pypto_gym.quant.fold import folds
+
+    from models import assert_fold_scales_the_input
+
+    family = models.FAMILIES["qwen3_vl"]
+    model, processor = family.load(family.tiny_dir, "float32")
+    batch = processor([family.calibration_prompts[0]], [open_image(family.images[0])], model)
+    found = folds(model)
+    assert not [p for p in found if p.endswith("linear_fc2")]
+    want = {"model.visual.blocks.1.attn.qkv": "model.visual.blocks.1.norm1",
+            "model.visual.blocks.1.mlp.linear_fc1": "model.visual.blocks.1.norm2",
+            "model.visual.blocks.1.attn.proj": "model.visual.blocks.1.attn.qkv",
+            "model.visual.merger.linear_fc1": "model.visual.merger.norm",
+            "model.visual.deepstack_merger_list.1.linear_fc1": "model.visual.deepstack_merger_list.1.norm"}
+    for path, source in want.items():
+        assert found[path].source_path == source, path
+        assert_fold_scales_the_input(model, batch, found[path])
+
+
+def test_calibrated_static_w8a8_exports_bit_for_bit_with_the_vision_tower_int8(tmp_path):
+    """`calibrate` then static W8A8 (msModelSlim's scheme): every vision linear int8 under its static scale, the
+    smooth scales folded where the table says (a LayerNorm's weight and bias: norm1 for qkv); both formats load back
+    with the model's logits bit for bit and transformers loads the compressed-tensors export."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from pypto_gym import models
+    from pypto_gym.cli import main
+    from pypto_gym.inference import open_image
+    from pypto_gym.quant import W8A8, export, quantize
+    from pypto_gym.quant.linear import quant_linear_of
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("export.load builds the model as transformers 5.x does (tests/test_export.py runs on 5.x only)")
+    family = models.FAMILIES["qwen3_vl"]
+    calibration = tmp_path / "smooth.safetensors"
+    assert main(["calibrate", "--model", str(family.tiny_dir), "--dtype", "float32", "--max-new-tokens", "2",
+                 "--out", str(calibration)]) == 0
+    model, processor = family.load(family.tiny_dir, "float32")
+    batch = processor([family.calibration_prompts[0]], [open_image(family.images[0])], model)
+    want = _logits(model, batch)
+    norm1 = {k: model.get_submodule("model.visual.blocks.0.norm1").get_parameter(k).detach().clone()
+             for k in ("weight", "bias")}
+    q = quantize(model, W8A8("static", calibration=str(calibration))).to_json()["w8a8"]
+    got = _logits(model, batch)
+    assert q["summary"]["int8"] == sum(_linear_count(model)) and q["summary"]["fallbacks"] == 0
+    assert float(torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1)).min()) > 0.99
+    qkv = quant_linear_of(model.get_submodule("model.visual.blocks.0.attn.qkv"))
+    assert qkv.static is not None and qkv.inv_smooth is not None
+    for fmt in export.FORMATS:
+        export.save(model, tmp_path / fmt, processor, fmt)
+        (weights,) = (tmp_path / fmt).glob("*.safetensors")  # one file (msModelSlim names it its own way)
+        t = load_file(str(weights))
+        for k, v in norm1.items():  # 1/s folded into the LayerNorm that writes qkv's input rows, bias included
+            assert torch.equal(t[f"model.visual.blocks.0.norm1.{k}"], (v * qkv.inv_smooth).to(v.dtype)), (fmt, k)
+        loaded, _, _, _ = export.load(tmp_path / fmt, backend="cpu", dtype="float32")
+        assert torch.equal(_logits(loaded, batch), got), fmt
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "compressed-tensors", dtype=torch.float32)
+    assert float(torch.nn.functional.cosine_similarity(_logits(hf, batch).flatten(1), got.flatten(1)).min()) > 0.999
 
 
 def test_capture_builds_random_weights_at_qwen3_vl_2b_dimensions(tmp_path):

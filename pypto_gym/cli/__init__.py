@@ -16,7 +16,7 @@ import threading
 from . import bench, calibrate, capture, cases, export, infer, make_tiny, tune
 from .common import Parser, UserError
 
-DESCRIPTION = """Patch a HuggingFace model (Qwen2.5-VL / GutenOCR-3B, Qwen2-VL, Qwen3, Llama) with fused kernels
+DESCRIPTION = """Patch a HuggingFace model (Qwen2.5-VL / GutenOCR-3B, Qwen2-VL, Qwen3-VL, Qwen3, Llama) with fused kernels
 (PyPTO, torch_npu, or fused CPU kernels), capture the real shapes its sites see as test cases, check every
 kernel against a golden on them, and measure what the swap buys."""
 

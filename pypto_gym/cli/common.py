@@ -49,8 +49,8 @@ POSITIVE_LIST.__name__ = "comma-separated integers >= 1"
 # ---- the model a command runs on ------------------------------------------------------------------
 def add_model_args(ap, many: bool = False, random_weights: bool = False):
     """Model and input flags; with many, --image/--prompt may repeat (capture runs every pair)."""
-    ap.add_argument("--model", help="checkpoint directory of any known family (Qwen2.5-VL, Qwen2-VL, Qwen3, Llama; "
-                                    "default: the embedded tiny Qwen2.5-VL)")
+    ap.add_argument("--model", help="checkpoint directory of any known family (Qwen2.5-VL, Qwen2-VL, Qwen3-VL, Qwen3, "
+                                    "Llama; default: the embedded tiny Qwen2.5-VL)")
     if random_weights:
         ap.add_argument("--config", help="build random weights from this config (e.g. modeling/gutenocr_3b/"
                                          "config.json: GutenOCR-3B's real dimensions, no download)")

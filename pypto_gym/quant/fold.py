@@ -11,7 +11,8 @@ exact arithmetic (what llm-compressor's SmoothQuant does to a checkpoint):
 - a linear that quantises its own input: the module whose output channels its input channels are, by
   the family's table (its Family.w8a8_own_input, models/<family>.py). o_proj's input channel h*d + c is v_proj's
   output channel (h // groups)*d + c (attention mixes positions, not channels); the vision attn.proj's
-  is its qkv's v third; the merger's mlp.0 reads ln_q's rows regrouped (channel j is ln_q's j % D).
+  is its qkv's v third; the merger's mlp.0 reads ln_q's rows regrouped (channel j is ln_q's j % D); Qwen3-VL's
+  vision qkv and linear_fc1 read their LayerNorm's rows as they are (weight and bias take the factor).
   Where one source channel feeds several input channels (GQA's query heads, the regrouping) they must
   share one scale: calibration gives them that (`group_max`). A linear with no such source (the
   merger's mlp.2 reads GELU's output) is not smoothed.
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .topology import own_input_linears, w8a8_family
+from .topology import own_input_linears, own_input_suffix, w8a8_family
 
 
 @dataclass
@@ -57,8 +58,12 @@ def _index(kind: str, model, path: str, linear, source_path: str, source) -> tor
     elif kind == "tiled":
         if n_in % width == 0:
             return j % width
+    elif kind == "same":
+        if n_in == width:
+            return j
     else:
-        raise ValueError(f"w8a8_own_input: fold kind {kind!r} for {path}; expected 'kv_heads', 'v_third' or 'tiled'")
+        raise ValueError(f"w8a8_own_input: fold kind {kind!r} for {path}; expected 'kv_heads', 'v_third', 'tiled' "
+                         f"or 'same'")
     raise ValueError(f"{path}: its input does not fit fold kind {kind!r} from {source_path} (in_features {n_in}, "
                      f"{source_path} has {width} output channels)")
 
@@ -69,7 +74,7 @@ def folds(model) -> dict:
     table = w8a8_family(model).w8a8_own_input
     out = {}
     for path, linear in own_input_linears(model):
-        suffix = next(s for s in table if path == s or path.endswith("." + s))
+        suffix = own_input_suffix(path, table)
         if table[suffix] is None:
             continue
         relative, kind = table[suffix]

@@ -10,6 +10,7 @@ import torch
 
 from .. import hardware
 from ..kernels.cpu import quant_matmul
+from ..patching.rules.layer_norm import LayerNormSite
 from ..patching.rules.mlp import MlpSite
 from ..patching.rules.norm import NormSite
 from ..patching.site import SLOT
@@ -146,8 +147,9 @@ def apply(model, plan: Plan) -> QuantPlan:
 def _fold_static_smoothing(model, plan) -> None:
     """Static scheme: fold each smooth scale into the int8 linear that writes the rows it scales, as an export does
     (quant/fold.py): an MLP's into up_proj's deq_scale, an own-input linear's into its source linear's (v_proj, the
-    vision qkv), or a float norm's weight (the merger's ln_q: NormSite.weight_fold); so what runs is what the
-    checkpoint holds. Where that writer is neither (a float linear) the smooth scale stays in static_quant."""
+    vision qkv), or a float norm's weight and bias (the merger's ln_q, Qwen3-VL's vision LayerNorms: weight_fold); so
+    what runs is what the checkpoint holds. Where that writer is neither (a float linear) the smooth scale stays in
+    static_quant (the NPU's npu_quantize takes none: such a linear is declined there)."""
     from .fold import folds, source_factor
 
     for path, mlp in plan.mlps.items():
@@ -165,7 +167,8 @@ def _fold_static_smoothing(model, plan) -> None:
         if src is not None and src.static is not None:
             src.fold_output(source_factor(ql.inv_smooth, fold))
             ql.smooth_folded = True
-        elif isinstance(site, NormSite) and site.quant is None:  # a float norm (ln_q): its weight, per call
+        elif isinstance(site, (NormSite, LayerNormSite)) and getattr(site, "quant", None) is None:
+            # a float norm (ln_q, Qwen3-VL's vision LayerNorms): its weight (and bias), per call
             site.weight_fold = source_factor(ql.inv_smooth, fold).to(fold.source.weight.device)
             plan.folded_norms.append(site)
             ql.smooth_folded = True

@@ -4,9 +4,10 @@ Producers of int8 rows: the norms, whose consumers are named per model family (m
 w8a8_linears), each name checked against the model (an nn.Linear whose in_features is the norm's D;
 a norm none of whose linears is found stays a float norm, with the reason in the report); and the
 patched SwiGLU MLPs, whose down_proj reads the fused swiglu + quant's rows. The linears whose input
-no fused op produces (o_proj, the vision attn.proj, the merger's linears: w8a8_own_input) quantise
-it themselves with `dynamic_quant`, smoothed by their own calibrated scale (where it can fold into a
-checkpoint: quant/fold.py), in the parts of the model (text, vision) that have patched norms or MLPs. Every other
+no fused op produces (o_proj, the vision attn.proj, the merger's linears, Qwen3-VL's whole vision tower:
+w8a8_own_input) quantise it themselves with `dynamic_quant`, smoothed by their own calibrated scale (where it can
+fold into a checkpoint: quant/fold.py), in the parts of the model (text, vision) that have patched norms (RMS or
+Layer) or MLPs (SwiGLU or GELU). Every other
 linear stays in the model dtype and is listed with why.
 
 Two schemes: "dynamic" (quant="w8a8": per-token activation scales computed at run time, W8A8_DYNAMIC) and
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kinds import part
+from ..patching.rules.gelu_mlp import GeluMlpSite
+from ..patching.rules.layer_norm import LayerNormSite
 from ..patching.rules.mlp import MlpSite
 from ..patching.rules.norm import NormSite
 from . import calibration
@@ -165,7 +168,7 @@ def decide(model, state, scheme: str = "dynamic") -> Plan:
         every_own.append(head)
     elif head is not None:
         plan.float_reasons[head[0]] = LM_HEAD_FLOAT
-    parts = {part(s.path) for s in sites}
+    parts = {part(s.path) for s in state.sites if isinstance(s, (NormSite, MlpSite, LayerNormSite, GeluMlpSite))}
     own = [(p, m) for p, m in every_own if part(p) in parts and p not in kept]
     plan.float_reasons.update({p: "float_linears keeps it in the model dtype" for p, _ in every_own if p in kept})
     known += [p for p, _ in every_own]

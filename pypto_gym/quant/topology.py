@@ -40,8 +40,15 @@ def linears_after(model, site):
     return found, missing
 
 
+def own_input_suffix(path: str, table) -> str | None:
+    """The longest of the table's path suffixes `path` ends with (whole components), else None: "mlp.linear_fc1"
+    before "linear_fc1", so one table can name a block's linear and, by a shorter suffix, every other one."""
+    hits = [s for s in table if path == s or path.endswith("." + s)]
+    return max(hits, key=len) if hits else None
+
+
 def own_input_linears(model):
     """[(path, linear)]: the nn.Linears the family names (by path suffix) as quantising their own input."""
     suffixes = w8a8_family(model).w8a8_own_input
     return [(p, m) for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-            and any(p == s or p.endswith("." + s) for s in suffixes)]
+            and own_input_suffix(p, suffixes) is not None]

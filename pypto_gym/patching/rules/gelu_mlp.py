@@ -84,6 +84,9 @@ def gelu_mlp_forward(module, x):
     if has_hooks(site.fc1):
         site.bypass("fc1 has hooks")
         return site.original(x)
+    if "forward" in site.fc1.__dict__:  # W8A8 made fc1 an int8 linear (its instance forward): it must run
+        site.bypass("fc1 is an int8 linear (W8A8): the module's forward runs it")
+        return site.original(x)
     return site.fc2(site.call(x, site.fc1.weight, site.fc1.bias))
 
 

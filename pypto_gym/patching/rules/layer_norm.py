@@ -72,6 +72,9 @@ class LayerNormSite(Site):
         self.call = LAYER_NORM.bind(options.backend, self.stats, eps=self.eps)
         self.add_call = ADD_LAYER_NORM.bind(options.backend, self.stats, eps=self.eps)
         self.fused = False
+        # W8A8 static: the smooth scale (fp32 [D]) of the linear reading its rows, folded into weight and bias per
+        # call as an export folds it into the checkpoint's (Qwen3-VL's vision linears quantise their own input)
+        self.weight_fold = None
 
     def details(self) -> dict:
         return {**weight_details(self.module.weight), "eps": self.eps, "fused_residual": self.fused,
@@ -83,6 +86,8 @@ def layer_norm_forward(module, hidden_states, residual=None):
     site = module.__dict__["_pypto_gym_site"]
     weight, bias = module._parameters["weight"], module._parameters["bias"]
     if _STATE.enabled:
+        if site.weight_fold is not None:
+            weight, bias = ((t.float() * site.weight_fold).to(t.dtype) for t in (weight, bias))
         if residual is None:
             return site.call(hidden_states, weight, bias)
         return site.add_call(residual, hidden_states, weight, bias)
