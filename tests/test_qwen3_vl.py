@@ -283,3 +283,30 @@ def test_capture_builds_random_weights_at_qwen3_vl_2b_dimensions(tmp_path):
         widths.setdefault(c["op"], set()).add(c["args"][0].shape[-1])
     assert widths["layer_norm"] == {1024} and widths["varlen_attention"] == {64}  # no DeepStack tap in one block
     assert widths["qk_norm_rope"] == {128} and widths["swiglu"] == {6144}
+
+
+def test_qwen2_vls_layer_norm_vision_tower_goes_int8_by_the_same_table():
+    """Qwen2-VL's vision tower (LayerNorms, QuickGELU fc1/fc2, the merger's ln_q -> mlp.0 -> GELU -> mlp.2) takes the
+    same LayerNorm vision table (models/common.py): every linear but lm_head int8 under dynamic W8A8, each vision one
+    quantising its own input, logits close to the float model's; its folds write the channels the table says."""
+    from pypto_gym.quant import W8A8, quantize
+    from pypto_gym.quant.fold import folds
+
+    from models import assert_fold_scales_the_input, tiny_qwen2_vl
+
+    model = tiny_qwen2_vl()
+    inputs = qwen3_vl_inputs(model, ((1, 4, 4),))
+    inputs["pixel_values"] = inputs["pixel_values"].float()
+    found = folds(model)
+    for path in ("model.visual.blocks.0.attn.qkv", "model.visual.blocks.0.mlp.fc1", "model.visual.merger.mlp.0"):
+        assert_fold_scales_the_input(model, inputs, found[path])
+    assert "model.visual.blocks.0.mlp.fc2" not in found and "model.visual.merger.mlp.2" not in found
+    want = _logits(model, inputs)
+    report = quantize(model, W8A8())
+    got = _logits(model, inputs)
+    q = report.to_json()["w8a8"]
+    vision = [r for r in q["linears"] if ".visual." in r["path"]]
+    assert len(vision) == 4 * model.config.vision_config.depth + 2
+    assert all(r["became"] == "w8a8" and r["calls"] == r["quantized_here"] >= 1 for r in vision), vision
+    assert [r["path"] for r in q["linears"] if r["became"] != "w8a8"] == ["lm_head"]
+    assert float(torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1)).min()) > 0.99

@@ -21,6 +21,17 @@ TEXT_LINEARS_AFTER_NORM = {
 # W8A8: the decoder linear whose input no fused op produces (it quantises it itself), and where its
 # SmoothQuant scale folds into a checkpoint (quant/fold.py): v_proj's output rows, per kv head.
 TEXT_OWN_INPUT = {"self_attn.o_proj": ("self_attn.v_proj", "kv_heads")}
+# ...and a LayerNorm vision tower's linears (Qwen2-VL's names and Qwen3-VL's), which all quantise their own input: no
+# LayerNorm or GELU kernel here writes int8 rows. Each smooth scale folds into what writes its rows: the blocks' qkv
+# and fc1 into norm1 / norm2 (weight and bias), attn.proj into qkv's v third, a merger's first linear into its norm
+# (the main merger's rows regrouped, 4 of D as one of 4D; Qwen3-VL's DeepStack mergers' after the shuffle, as they
+# are); every second MLP linear reads a GELU's output: nowhere, not smoothed. The longest suffix a path ends with
+# wins (quant/topology.py): "mlp.linear_fc1" before "linear_fc1".
+LAYER_NORM_VISION_OWN_INPUT = {
+    "attn.qkv": ("norm1", "same"), "attn.proj": ("attn.qkv", "v_third"),
+    "mlp.fc1": ("norm2", "same"), "mlp.fc2": None, "merger.mlp.0": ("merger.ln_q", "tiled"), "merger.mlp.2": None,
+    "mlp.linear_fc1": ("norm2", "same"), "linear_fc1": ("norm", "tiled"), "linear_fc2": None,
+}
 TEXT_PROMPTS = ["Write a sentence about tensors.", "What is an RMS norm?", "Count from one to ten.",
                 "Describe the weather in one line."]  # calibration prompts of the text-only families
 

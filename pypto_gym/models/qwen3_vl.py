@@ -14,17 +14,12 @@ from __future__ import annotations
 import json
 
 from . import qwen2_5_vl
-from .common import MODELING_DIR, TEXT_OWN_INPUT, check_model_dir, check_tokenizer_files, from_pretrained
+from .common import (LAYER_NORM_VISION_OWN_INPUT, MODELING_DIR, TEXT_OWN_INPUT, check_model_dir, check_tokenizer_files,
+                     from_pretrained)
 from .family import Family
 
 TINY_DIR = MODELING_DIR / "tiny_qwen3_vl"
 QWEN3_VL_2B_CONFIG = MODELING_DIR / "qwen3_vl_2b" / "config.json"  # FireRed-OCR-2B's base, at its real dimensions
-# W8A8: the vision linears, by path suffix (the longest one a path ends with wins: quant/topology.py), with where each
-# smooth scale folds (quant/fold.py): the blocks' qkv and linear_fc1 into norm1 / norm2, attn.proj into qkv's v
-# third, the mergers' linear_fc1 into their norm (the main merger's regrouped, 4 rows of D as one of 4D; the DeepStack
-# mergers' after the shuffle, as they are); every linear_fc2 reads a GELU's output: nowhere, not smoothed.
-W8A8_OWN_INPUT = {**TEXT_OWN_INPUT, "attn.qkv": ("norm1", "same"), "attn.proj": ("attn.qkv", "v_third"),
-                  "mlp.linear_fc1": ("norm2", "same"), "linear_fc1": ("norm", "tiled"), "linear_fc2": None}
 IMAGE_PROCESSOR = {"processor_class": "Qwen3VLProcessor", "patch_size": 16, "image_mean": [0.5, 0.5, 0.5],
                    "image_std": [0.5, 0.5, 0.5], "min_pixels": 64 * 64, "max_pixels": 1024 * 32 * 32}
 
@@ -82,4 +77,5 @@ def build_tiny(out=TINY_DIR, seed: int = 0) -> None:
 
 FAMILY = Family(name="qwen3_vl", model_types=("qwen3_vl",), multimodal=True, load=load, tiny_dir=TINY_DIR,
                 build_tiny=build_tiny, random_model=random_model, images=qwen2_5_vl.IMAGES,
-                calibration_prompts=qwen2_5_vl.CALIBRATION_PROMPTS, w8a8_own_input=W8A8_OWN_INPUT)
+                calibration_prompts=qwen2_5_vl.CALIBRATION_PROMPTS,
+                w8a8_own_input={**TEXT_OWN_INPUT, **LAYER_NORM_VISION_OWN_INPUT})
