@@ -310,3 +310,46 @@ def test_qwen2_vls_layer_norm_vision_tower_goes_int8_by_the_same_table():
     assert all(r["became"] == "w8a8" and r["calls"] == r["quantized_here"] >= 1 for r in vision), vision
     assert [r["path"] for r in q["linears"] if r["became"] != "w8a8"] == ["lm_head"]
     assert float(torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1)).min()) > 0.99
+
+
+def test_a_text_only_export_is_qwen3_and_computes_the_decoder_bit_for_bit(tmp_path, capsys):
+    """`export --text-only` (static W8A8, calibrated, both formats): Qwen3ForCausalLM's config and the decoder's
+    tensors under `model.*`, nothing of the vision tower, the tokenizer without the image processor; pypto-gym loads
+    it as a Qwen3 and its logits on a text-only prompt are the Qwen3-VL model's bit for bit. A family without a
+    text-only model is refused in one line before anything is loaded."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file
+
+    from pypto_gym import models
+    from pypto_gym.cli import main
+    from pypto_gym.quant import W8A8, export, quantize
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("export.load builds the model as transformers 5.x does (tests/test_export.py runs on 5.x only)")
+    family = models.FAMILIES["qwen3_vl"]
+    assert main(["export", "--text-only", str(tmp_path / "refused")]) == 2  # the default model: Qwen2.5-VL
+    assert "--text-only: the qwen2_5_vl family has no text-only export (families with one: qwen3_vl)" in \
+        capsys.readouterr().err and not (tmp_path / "refused").exists()
+    calibration = tmp_path / "smooth.safetensors"
+    assert main(["calibrate", "--model", str(family.tiny_dir), "--max-new-tokens", "2", "--out", str(calibration)]) == 0
+    model, processor = family.load(family.tiny_dir, "bfloat16")
+    quantize(model, W8A8("static", calibration=str(calibration)))
+    ids = processor(["Count from one to ten."], None, None)["input_ids"]
+    want = _logits(model, {"input_ids": ids})
+    for fmt in export.FORMATS:
+        out = tmp_path / fmt
+        assert main(["export", "--model", str(family.tiny_dir), "--quant", "w8a8_static", "--calibration",
+                     str(calibration), "--format", fmt, "--text-only", str(out)]) == 0
+        assert f"{fmt} text-only (Qwen3ForCausalLM) checkpoint written" in capsys.readouterr().out
+        config = json.loads((out / "config.json").read_text())
+        assert (config["model_type"], config["architectures"]) == ("qwen3", ["Qwen3ForCausalLM"])
+        assert not (out / "preprocessor_config.json").exists()
+        (weights,) = out.glob("*.safetensors")
+        names = set(load_file(str(weights)))
+        assert not [n for n in names if "visual" in n or "language_model" in n]
+        assert "model.layers.0.self_attn.q_proj.weight" in names
+        loaded, _, loaded_family, report = export.load(out, backend="cpu")
+        assert loaded_family is models.FAMILIES["qwen3"] and report.to_json()["w8a8"]["summary"]["loaded_int8"] == 28
+        assert torch.equal(_logits(loaded, {"input_ids": ids}), want), fmt

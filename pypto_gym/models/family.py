@@ -24,7 +24,10 @@ class Family:
     processor)` builds one at a real config's dimensions with random weights (`--config`; None: not for this
     family). `w8a8_linears`: norm kind -> linears (relative to the norm's parent) that read its rows;
     `w8a8_own_input`: linear path suffix -> (where its smooth scale folds, fold kind) or None (quant/fold.py).
-    `legacy_names`: regex renames of older checkpoint tensor names to module paths."""
+    `legacy_names`: regex renames of older checkpoint tensor names to module paths. `text_only_config(config)`: the
+    config of a text-only model (a ForCausalLM) that computes this family's decoder as it runs a text-only prompt,
+    under `model.*` where this family's is under `model.language_model.*` (`export --text-only`: what vLLM's text
+    engines serve); None: no such export."""
 
     name: str
     model_types: tuple[str, ...]
@@ -38,6 +41,7 @@ class Family:
     w8a8_linears: dict = field(default_factory=lambda: dict(TEXT_LINEARS_AFTER_NORM))
     w8a8_own_input: dict = field(default_factory=lambda: dict(TEXT_OWN_INPUT))
     legacy_names: tuple = ()
+    text_only_config: Callable | None = None
 
 
 def text_family(name: str, model_class: str, config_class: str, tiny: dict, special_tokens: list[str], eos: str,

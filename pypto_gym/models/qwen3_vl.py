@@ -70,6 +70,23 @@ def random_model(config_path=QWEN3_VL_2B_CONFIG, num_layers: int | None = None, 
     return qwen2_5_vl.build_random(raw, "Qwen3VLForConditionalGeneration", dtype, seed), processor
 
 
+def text_only_config(config):
+    """Qwen3's config of this model's decoder: on a text-only prompt the three MRoPE position rows are equal, so the
+    interleaved sections read one position and the rotary is Qwen3's at the same rope_theta; no DeepStack features
+    are added; the layers (q/k norms, SwiGLU MLP) are Qwen3's."""
+    from transformers import Qwen3Config
+
+    text = config.text_config.to_dict()
+    rope = text.get("rope_parameters") or {}  # transformers 5.x; 4.57 keeps rope_theta on the config
+    theta = rope.get("rope_theta", text.get("rope_theta"))
+    keep = set(Qwen3Config().to_dict()) - {"architectures", "model_type", "transformers_version", "dtype",
+                                             "torch_dtype", "rope_parameters", "rope_scaling", "rope_theta",
+                                             "layer_types", "tie_word_embeddings"}
+    return Qwen3Config(**{k: v for k, v in text.items() if k in keep}, rope_theta=theta,
+                       tie_word_embeddings=config.tie_word_embeddings, architectures=["Qwen3ForCausalLM"],
+                       dtype=text.get("dtype") or text.get("torch_dtype"))
+
+
 def build_tiny(out=TINY_DIR, seed: int = 0) -> None:
     """The tiny checkpoint (module docstring); its images are Qwen2.5-VL's (modeling/tiny_qwen2_5_vl)."""
     qwen2_5_vl.write_vl_tiny(out, tiny_config_dict, "Qwen3VLForConditionalGeneration", IMAGE_PROCESSOR, seed)
@@ -78,4 +95,4 @@ def build_tiny(out=TINY_DIR, seed: int = 0) -> None:
 FAMILY = Family(name="qwen3_vl", model_types=("qwen3_vl",), multimodal=True, load=load, tiny_dir=TINY_DIR,
                 build_tiny=build_tiny, random_model=random_model, images=qwen2_5_vl.IMAGES,
                 calibration_prompts=qwen2_5_vl.CALIBRATION_PROMPTS,
-                w8a8_own_input={**TEXT_OWN_INPUT, **LAYER_NORM_VISION_OWN_INPUT})
+                w8a8_own_input={**TEXT_OWN_INPUT, **LAYER_NORM_VISION_OWN_INPUT}, text_only_config=text_only_config)

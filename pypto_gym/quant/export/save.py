@@ -15,19 +15,30 @@ FORMATS = tuple(_WRITERS)
 LM_HEAD_CONSUMERS = {name: m.LM_HEAD_CONSUMER for name, m in _WRITERS.items()}  # who loads an int8 lm_head of each
 
 
-def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> dict:
+def save(model, out_dir, processor=None, format: str = "compressed-tensors", text_only: bool = False) -> dict:
     """Write the W8A8-patched `model` (and its processor/tokenizer) to `out_dir` as a compressed-tensors or an
     msModelSlim checkpoint (W8A8_DYNAMIC, or W8A8 for a model patched with quant="w8a8_static"); returns
     {"int8": [paths], "ignore": [paths], "lm_head": "float" | "int8"}. Refused, before anything is written, for a
     model that is not patched in W8A8 mode or a scale that cannot fold. Smoothing is folded (the package's
     docstring). Everything is written into a temporary folder beside `out_dir`, renamed to it at the end: an
     interrupted or failed export leaves nothing (no config.json without its quantization_config, which transformers
-    would load as a float model of int8 codes)."""
+    would load as a float model of int8 codes).
+
+    `text_only`: a vision-language model's decoder alone, as the text-only model its family names
+    (Family.text_only_config: Qwen3-VL's is Qwen3ForCausalLM), its tensors renamed from `model.language_model.*` to
+    `model.*`, the vision tower left out, the tokenizer without the image processor: what vLLM's text engines
+    serve, computing what the model computes on a text-only prompt."""
+    from ... import models
     from ...patching.api import _STATE_ATTR
 
     if format not in FORMATS:
         raise ValueError(f"format: got {format!r}; expected one of {', '.join(map(repr, FORMATS))}")
     fmt = _WRITERS[format]
+    family = models.family_of(model)
+    if text_only and (family is None or family.text_only_config is None):
+        having = [f.name for f in models.FAMILIES.values() if f.text_only_config is not None]
+        raise ValueError(f"text_only: the {family.name if family else 'unknown'} family has no text-only export "
+                         f"(families with one: {', '.join(having)})")
     state = model.__dict__.get(_STATE_ATTR)
     plan = None if state is None else state.quant
     if plan is None:
@@ -64,14 +75,45 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors") -> 
     fmt.stored_forms(state_dict, plan)
     head = output_embedding(model)
     lm_head = "int8" if head is not None and quant_linear_of(head[1]) is not None else "float"
+    writer = model
+    if text_only:
+        writer = _text_model(model, family.text_only_config(model.config))
+        state_dict = {_decoder_name(k): v for k, v in state_dict.items() if _decoder_name(k) is not None}
+        int8, ignore, tied = ([_decoder_name(p) for p in paths if _decoder_name(p) is not None]
+                              for paths in (int8, ignore, tied))
+        processor = getattr(processor, "tokenizer", processor)
     with staging(out) as tmp:
-        model.save_pretrained(tmp, state_dict=state_dict, max_shard_size="1000GB")  # one weights file
+        writer.save_pretrained(tmp, state_dict=state_dict, max_shard_size="1000GB")  # one weights file
         (tmp / SIDECAR).write_text(json.dumps({"format": "pypto_gym-export-1", "quantised_from_float": tied},
                                               indent=2) + "\n")
         fmt.write(tmp, int8, ignore, static)
         if processor is not None:
             processor.save_pretrained(tmp)
     return {"int8": int8, "ignore": sorted(ignore), "lm_head": lm_head}
+
+
+LANGUAGE_MODEL = "model.language_model."  # where a vision-language model's decoder is (transformers 5.x's layout)
+
+
+def _decoder_name(name: str) -> str | None:
+    """A tensor or module name of a vision-language model in its text-only model (`model.language_model.x` ->
+    `model.x`, `lm_head` as it is), or None: not part of the decoder (the vision tower)."""
+    if name.startswith(LANGUAGE_MODEL):
+        return "model." + name[len(LANGUAGE_MODEL):]
+    return name if name == "lm_head" or name.startswith("lm_head.") else None
+
+
+def _text_model(model, config):
+    """The text-only model of `config` without weights (meta tensors): what writes its config, its generation config
+    (the model's) and, from the state dict given, its weights file."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        text = AutoModelForCausalLM.from_config(config)
+    text.generation_config = copy.deepcopy(model.generation_config)
+    return text
 
 
 def _smoothing_factors(model, plan) -> dict:
