@@ -160,6 +160,42 @@ def test_bench_layer_gemm_roofline_worked_example():
         2 * 1280 * (3840 + 1280 + 3 * 3420) / 1.6e12 * 1e6)
 
 
+def test_bench_layer_reads_a_models_layer_and_block_from_its_config(capsys, tmp_path):
+    """bench layer --config: GutenOCR-3B's (28 window blocks and 4 full ones, RMSNorms, a SwiGLU vision MLP, 2 KV
+    heads) and Qwen3-VL-2B's (24 full-attention blocks of LayerNorms and a GELU MLP at head dim 64; Qwen3's q/k norms,
+    8 KV heads) from the committed configs, each layer's fused ops in order; another model type refused in one line."""
+    import torch
+
+    from pypto_gym.bench.pypto_layer import _layer_calls, layer_model
+
+    guten = layer_model()
+    assert (guten.window_blocks, guten.full_blocks, guten.vision_norm, guten.vision_mlp) == \
+        (28, 4, "rms_norm", "swiglu")
+    assert (guten.text_layers, guten.kv_heads, guten.head_dim, guten.qk_norm) == (36, 2, 128, False)
+    qwen3 = layer_model(ROOT / "modeling" / "qwen3_vl_2b" / "config.json")
+    assert (qwen3.window_blocks, qwen3.full_blocks, qwen3.vision_norm, qwen3.vision_mlp) == \
+        (0, 24, "layer_norm", "gelu")
+    assert (qwen3.text_layers, qwen3.kv_heads, qwen3.head_dim, qwen3.qk_norm, qwen3.vD // qwen3.v_heads) == \
+        (28, 8, 128, True, 64)
+    assert qwen3.gemms("text")[1] == ("k_proj", 2048, 1024) and qwen3.gemms("text")[-1] == ("down_proj", 6144, 2048)
+    assert qwen3.gemms("vision") == [("qkv", 1024, 3072), ("proj", 1024, 1024), ("fc1", 1024, 4096),
+                                     ("fc2", 4096, 1024)]
+    ops = {phase: [op for _, op, _ in _layer_calls(qwen3, phase, 16, torch.bfloat16, 32)]
+           for phase in ("prefill", "decode", "vision")}
+    assert ops["prefill"] == ops["decode"] == ["rms_norm", "qk_norm_rope", "decoder_attention", "add_rms_norm",
+                                               "swiglu", "add"]
+    assert ops["vision"] == ["layer_norm", "rope", "varlen_attention", "add_layer_norm", "gelu", "add"]
+    assert [op for _, op, _ in _layer_calls(guten, "vision", 16, torch.bfloat16)] == [
+        "rms_norm", "rope", "varlen_attention", "varlen_attention", "add_rms_norm", "swiglu", "add"]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama"}))
+    assert main(["bench", "layer", "--config", str(config)]) == 2
+    assert "--config: model_type 'llama'; bench layer knows 'qwen2_5_vl' (GutenOCR-3B) and 'qwen3_vl'" in \
+        capsys.readouterr().err
+    assert main(["bench", "layer", "--config", str(tmp_path / "none.json")]) == 2
+    assert f"--config: no config file at {tmp_path / 'none.json'}" in capsys.readouterr().err
+
+
 def test_bench_layer_defaults_to_minutes_and_the_page_is_opt_in_saying_its_cost(monkeypatch, capsys, tmp_path):
     """`bench layer` with no argument simulated the document page: ~67 minutes, 370 GB written, then no PASS/FAIL
     line and no PNG (issue 45, item 16). The default is a layer and a block at small shapes (about two minutes

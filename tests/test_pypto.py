@@ -554,6 +554,36 @@ def test_bench_pypto_and_bench_layer_run_and_write_their_json(tmp_path):
         assert all(r["dynamic_us"] > 0 and r["static_us"] > 0 for r in phase["rows"])
 
 
+@pytest.mark.integration
+def test_bench_layer_costs_a_qwen3_vl_layer_and_block(tmp_path):
+    """bench layer --config modeling/qwen3_vl_2b/config.json on real PyPTO (small shapes): the text layer's q/k norms
+    and rotary as one qk_norm_rope against HF's 26 kernels; the vision block's LayerNorm and GELU the same kernel on
+    both sides, norm2's residual add HF's one kernel more, its full attention part of every block (24); PASS lines."""
+    import json
+
+    from pypto_gym.cli import main
+
+    assert main(["bench", "layer", "--config", str(ROOT / "modeling" / "qwen3_vl_2b" / "config.json"), "--tokens", "4",
+                 "--vision-tokens", "16", "--kv", "64", "--json", str(tmp_path / "l.json"), "--png",
+                 str(tmp_path / "l.png")]) == 0
+    layer = json.loads((tmp_path / "l.json").read_text())
+    assert layer["model"] == "qwen3_vl_2b" and all(g.startswith("PASS") for g in layer["goals"])
+    parts = list(layer["parts"].values())
+    assert [p["per_forward"] for p in parts] == [28, 28, 24]
+    for text in parts[:2]:
+        (qk,) = [r for r in text["rows"] if r["fused_op"] == "qk_norm_rope"]
+        assert qk["hf_kernels"] == 26 and qk["hf_us"] > qk["fused_us"] > 0
+    rows = {r["fused_op"]: r for r in parts[2]["rows"]}
+    for same in ("layer_norm", "(same GELU)"):
+        assert rows[same]["hf_kernels"] == rows[same]["fused_kernels"] == 1
+        assert rows[same]["hf_us"] == rows[same]["fused_us"] > 0
+    add_norm = rows["add_layer_norm"]
+    assert add_norm["hf_kernels"] == 2 and add_norm["hf_us"] > add_norm["fused_us"]
+    (full,) = [r for r in parts[2]["rows"] if r["part"].startswith("full attention")]
+    assert full["blocks"] == 24 and not full["full_blocks_only"]
+    assert parts[2]["totals"]["fused_kernels"] == 6 and parts[2]["gemms"]["kernels"] == 4
+
+
 def test_each_call_that_compiles_says_so_on_stderr(capfd):
     """`infer --backend pypto` was silent for minutes: every call PyPTO compiles and simulates is named on stderr."""
     x = torch.randn(2, 64, dtype=torch.bfloat16)

@@ -94,6 +94,15 @@ def _silu(pypto):
     return silu
 
 
+def _gelu_tanh(pypto):
+    """HF's gelu_pytorch_tanh: 0.5 x (1 + tanh(u)) is x * sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3)."""
+    def gelu_tanh(x: pypto.Tensor(), out: pypto.Tensor(), rows, heads, cols):
+        pypto.set_vec_tile_shapes(rows, heads, cols)
+        g = pypto.cast(x, pypto.DT_FP32)
+        out[:] = pypto.cast(g * pypto.sigmoid((g + g * g * g * 0.044715) * 1.5957691216057308), out.dtype)
+    return gelu_tanh
+
+
 def _documents_rms_norm(pypto):
     def documents_rms_norm(x: pypto.Tensor(), g: pypto.Tensor(), out: pypto.Tensor(), eps, rows, cols):
         pypto.set_vec_tile_shapes(rows, cols)
@@ -102,7 +111,7 @@ def _documents_rms_norm(pypto):
 
 
 FACTORIES = {"cast": _cast, "copy": _copy, "mul": _mul, "add": _add, "mean": _mean, "add_scalar": _add_eps_rsqrt,
-             "rsqrt": _rsqrt, "neg": _neg, "cat": _cat, "silu": _silu}
+             "rsqrt": _rsqrt, "neg": _neg, "cat": _cat, "silu": _silu, "gelu_tanh": _gelu_tanh}
 
 
 def _as3(t):

@@ -1,5 +1,6 @@
-"""What HF eager runs instead of each fused op, as PyPTO kernels, and `bench layer`: one GutenOCR-3B decoder
-layer and one vision block, every non-GEMM kernel HF eager launches against pypto-gym's fused ones.
+"""What HF eager runs instead of each fused op, as PyPTO kernels, and `bench layer`: one decoder layer and one
+vision block of a model (GutenOCR-3B by default; `--config` another one's, e.g. Qwen3-VL-2B's), every non-GEMM kernel
+HF eager launches against pypto-gym's fused ones.
 
 `hf_kernels(op, args)` lists, for one call of a fused op, the torch ops HF's code runs for the same result
 (each op's definition says, in its BenchSpec: RMSNorm's eight, swiglu's silu and mul, the rotary function's
@@ -15,9 +16,12 @@ given with a stated per-launch cost.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .. import hardware
+from ..models.qwen2_5_vl import GUTENOCR_CONFIG
 from ..kernels.pypto.varlen_attention import long_window_pairs, windows_per_launch
 from ..ops import OPS, registry
 from ..ops.defs.varlen_attention import windows
@@ -30,17 +34,69 @@ from .timing import goal_line, header, save_plot, write_json
 # torch_npu op at small shapes (the smallest time of a custom kernel on an Ascend 910B2 in ops-transformer's
 # mhc_post performance table is 21 us, aclnnMul's 80 us).
 LAUNCH_US = (5.0, 20.0)
-TEXT_LAYERS, VISION_BLOCKS = 36, 32  # GutenOCR-3B (modeling/gutenocr_3b/config.json)
-WINDOW_BLOCKS = VISION_BLOCKS - 4  # fullatt_block_indexes 7, 15, 23, 31 attend over the whole image
 # The GEMMs are a stated roofline, not a PyPTO estimate (this project has no pypto.matmul kernel yet): a GEMM
 # takes max(FLOPs / the cube peak, bytes moved / HBM bandwidth) at these quoted Ascend 910B2 figures.
 CUBE_TFLOPS = 376.0  # fp16/bf16 cube peak quoted for the 910B2 (a stated figure, not measured)
 HBM_TBPS = 1.6  # HBM bandwidth, TB/s
-# (label, K, N) of each linear HF launches per layer / block, bf16 weights [N, K]; HF's MLPs run gate and up apart
-GEMMS = {"text": [("q_proj", 2048, 2048), ("k_proj", 2048, 256), ("v_proj", 2048, 256), ("o_proj", 2048, 2048),
-                  ("gate_proj", 2048, 11008), ("up_proj", 2048, 11008), ("down_proj", 11008, 2048)],
-         "vision": [("qkv", 1280, 3840), ("proj", 1280, 1280), ("gate_proj", 1280, 3420), ("up_proj", 1280, 3420),
-                    ("down_proj", 3420, 1280)]}
+
+
+@dataclass(frozen=True)
+class LayerModel:
+    """What bench layer costs of a model, from its config: the decoder layer's dimensions (q/k norms: Qwen3's
+    `qk_norm_rope`), the vision block's (RMSNorm + SwiGLU MLP: Qwen2.5-VL; LayerNorm + GELU MLP: Qwen3-VL), and how
+    many vision blocks attend over the whole image (the others over windows)."""
+
+    name: str
+    text_layers: int
+    D: int
+    I: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    qk_norm: bool
+    vision_blocks: int
+    full_blocks: int
+    vD: int
+    vI: int
+    v_heads: int
+    vision_norm: str  # "rms_norm" or "layer_norm"
+    vision_mlp: str  # "swiglu" or "gelu"
+
+    @property
+    def window_blocks(self) -> int:
+        return self.vision_blocks - self.full_blocks
+
+    def gemms(self, part: str) -> list:
+        """(label, K, N) of each linear HF launches per layer / block, bf16 weights [N, K]; HF's MLPs run gate and up
+        apart."""
+        if part == "text":
+            q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            return [("q_proj", self.D, q), ("k_proj", self.D, kv), ("v_proj", self.D, kv), ("o_proj", q, self.D),
+                    ("gate_proj", self.D, self.I), ("up_proj", self.D, self.I), ("down_proj", self.I, self.D)]
+        mlp = ([("gate_proj", self.vD, self.vI), ("up_proj", self.vD, self.vI), ("down_proj", self.vI, self.vD)]
+               if self.vision_mlp == "swiglu" else [("fc1", self.vD, self.vI), ("fc2", self.vI, self.vD)])
+        return [("qkv", self.vD, 3 * self.vD), ("proj", self.vD, self.vD), *mlp]
+
+
+def layer_model(config_path=GUTENOCR_CONFIG) -> LayerModel:
+    """The LayerModel of a Qwen2.5-VL (GutenOCR-3B) or Qwen3-VL config.json; another model type is refused."""
+    from pathlib import Path
+
+    from ..models.qwen2_5_vl import read_config
+
+    raw = read_config(config_path)
+    kind = raw.get("model_type")
+    if kind not in ("qwen2_5_vl", "qwen3_vl"):
+        raise ValueError(f"--config: model_type {kind!r}; bench layer knows 'qwen2_5_vl' (GutenOCR-3B) and 'qwen3_vl'")
+    text, vision = raw.get("text_config") or raw, raw["vision_config"]
+    qwen3 = kind == "qwen3_vl"
+    return LayerModel(
+        name=Path(config_path).parent.name, text_layers=text["num_hidden_layers"], D=text["hidden_size"],
+        I=text["intermediate_size"], heads=text["num_attention_heads"], kv_heads=text["num_key_value_heads"],
+        head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"], qk_norm=qwen3,
+        vision_blocks=vision["depth"], full_blocks=vision["depth"] if qwen3 else len(vision["fullatt_block_indexes"]),
+        vD=vision["hidden_size"], vI=vision["intermediate_size"], v_heads=vision["num_heads"],
+        vision_norm="layer_norm" if qwen3 else "rms_norm", vision_mlp="gelu" if qwen3 else "swiglu")
 
 
 def hf_kernels(op: str, args) -> list:
@@ -67,12 +123,12 @@ def fused_us(op: str, args) -> float:
     return registry.get("pypto").last_run.estimated_us
 
 
-def gemm_roofline(phase: str, M: int) -> dict:
-    """The layer's GEMMs at M tokens on the stated roofline: per GEMM its µs (the larger of compute at the cube peak
-    and bf16 bytes at HBM bandwidth) and the floor of reading its weight once; the same launches with or without
-    pypto-gym's fusion (it fuses what lies between them)."""
+def gemm_roofline(phase: str, M: int, model: LayerModel | None = None) -> dict:
+    """The layer's GEMMs at M tokens on the stated roofline (GutenOCR-3B's unless `model` says): per GEMM its µs (the
+    larger of compute at the cube peak and bf16 bytes at HBM bandwidth) and the floor of reading its weight once; the
+    same launches with or without pypto-gym's fusion (it fuses what lies between them)."""
     rows = []
-    for label, K, N in GEMMS["vision" if phase == "vision" else "text"]:
+    for label, K, N in (model or layer_model()).gemms("vision" if phase == "vision" else "text"):
         compute_us = 2 * M * K * N / (CUBE_TFLOPS * 1e12) * 1e6
         memory_us = 2 * (M * K + K * N + M * N) / (HBM_TBPS * 1e12) * 1e6
         rows.append({"gemm": label, "M": M, "K": K, "N": N, "us": max(compute_us, memory_us),
@@ -83,41 +139,56 @@ def gemm_roofline(phase: str, M: int) -> dict:
 
 
 # ---- bench layer -------------------------------------------------------------------------------------------
-def _layer_calls(phase: str, S: int, dtype, kv: int = 0):
+def _layer_calls(model: LayerModel, phase: str, S: int, dtype, kv: int = 0):
     """The fused ops of one text layer (phase prefill/decode, S tokens; a decode step attends over kv cached
-    tokens) or one vision block (S patches)."""
+    tokens) or one vision block (S patches) of `model`."""
     from .specs.rope import hf_text_layout
 
     gen = torch.Generator().manual_seed(0)
     if phase == "vision":
-        D, I, heads, hd = 1280, 3420, 16, 80
+        D, I, heads = model.vD, model.vI, model.v_heads
+        hd = D // heads
         x = torch.randn(S, D, generator=gen).to(dtype)
         q, k, v = torch.randn(S, 3 * D, generator=gen).to(dtype).reshape(S, 3, heads, hd).permute(1, 0, 2, 3).unbind(0)
         emb = torch.rand(S, hd, generator=gen)
-        rope = ("rope", (q, k, emb.cos(), emb.sin(), [], -2, "fp32"))
-        cu = PAGE_WINDOWS if S == PAGE_T else windows([64] * (S // 64) + [S % 64])
+        rope = ("rotary", "rope", (q, k, emb.cos(), emb.sin(), [], -2, "fp32"))
         qkv = tuple(t.contiguous() for t in (q, k, v))
-        attention = [("window attention", "varlen_attention", (*qkv, cu, hd ** -0.5, "hf")),
-                     ("full attention", "varlen_attention", (*qkv, [0, S], hd ** -0.5, "hf"))]
+        attention = [("full attention", "varlen_attention", (*qkv, [0, S], hd ** -0.5, "hf"))]
+        if model.window_blocks:
+            cu = PAGE_WINDOWS if S == PAGE_T else windows([64] * (S // 64) + [S % 64])
+            attention.insert(0, ("window attention", "varlen_attention", (*qkv, cu, hd ** -0.5, "hf")))
+        norm = model.vision_norm
     else:
-        D, I = 2048, 11008
+        D, I, hd = model.D, model.I, model.head_dim
         x = torch.randn(1, S, D, generator=gen).to(dtype)
-        rope = ("rope", (*hf_text_layout(S, 16, 2, 128, dtype, gen), [], 1, "hf"))
-        # GutenOCR-3B: 16 query heads, 2 KV heads, head_dim 128; a decode step over kv cached tokens, a causal prefill
-        n = kv if phase == "decode" else S
-        q, k, v = (torch.randn(1, h, m, 128, generator=gen).to(dtype) for h, m in ((16, S), (2, n), (2, n)))
+        q, k, cos, sin = hf_text_layout(S, model.heads, model.kv_heads, hd, dtype, gen)
+        if model.qk_norm:  # Qwen3: q_norm and k_norm per head before the rotation, one fused op
+            weights = [(1 + 0.1 * torch.randn(hd, generator=gen)).to(dtype) for _ in range(2)]
+            rope = ("q/k norms + rotary", "qk_norm_rope", (q, k, *weights, cos, sin, [], 1e-6, 1e-6, 1, "hf"))
+        else:
+            rope = ("rotary", "rope", (q, k, cos, sin, [], 1, "hf"))
+        n = kv if phase == "decode" else S  # a decode step over kv cached tokens, a causal prefill
+        q, k, v = (torch.randn(1, h, m, hd, generator=gen).to(dtype)
+                   for h, m in ((model.heads, S), (model.kv_heads, n), (model.kv_heads, n)))
         label = f"attention (KV {kv})" if phase == "decode" else "attention (causal)"
-        attention = [(label, "decoder_attention", (q, k, v, 128 ** -0.5, True, None, "pack"))]
+        attention = [(label, "decoder_attention", (q, k, v, hd ** -0.5, True, None, "pack"))]
+        norm = "rms_norm"
     gamma = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype)
     g = torch.randn(*x.shape[:-1], I, generator=gen).to(dtype)
-    # a layer: norm -> attention (its rotary call; a vision block's windowed attention) -> add + norm -> MLP (swiglu)
-    # -> residual add
-    return [("input norm", "rms_norm", (x, gamma, 1e-6, "hf")), ("rotary", *rope), *attention,
-            ("add + post-attention norm", "add_rms_norm", (x, x, gamma, 1e-6, "hf", "rounded")),
-            ("MLP activation", "swiglu", (g, g, "hf")), ("residual add (MLP)", "add", (x, x))]
+    if norm == "layer_norm":
+        beta = (0.1 * torch.randn(D, generator=gen)).to(dtype)
+        norms = [("input norm", "layer_norm", (x, gamma, beta, 1e-6)),
+                 ("add + post-attention norm", "add_layer_norm", (x, x, gamma, beta, 1e-6))]
+    else:
+        norms = [("input norm", "rms_norm", (x, gamma, 1e-6, "hf")),
+                 ("add + post-attention norm", "add_rms_norm", (x, x, gamma, 1e-6, "hf", "rounded"))]
+    mlp = (("MLP activation", "swiglu", (g, g, "hf")) if phase != "vision" or model.vision_mlp == "swiglu" else
+           ("MLP activation (GELU)", "gelu", (g.reshape(-1, I),)))
+    # a layer: norm -> attention (its rotary call; a vision block's windowed attention) -> add + norm -> MLP -> add
+    return [norms[0], rope, *attention, norms[1], mlp, ("residual add (MLP)", "add", (x, x))]
 
 
-def window_attention_row(label: str, args) -> dict:
+def window_attention_row(label: str, args, model: LayerModel) -> dict:
     """A window block's attention. HF loops over the windows: one attention per window, costed as pypto-gym's own
     kernel on that window alone (the fewest kernels HF's loop could launch per window), then torch.cat of the
     outputs (a copy kernel of the same bytes). pypto-gym: the fused op's launches (64 (window, head) pairs each)."""
@@ -129,10 +200,10 @@ def window_attention_row(label: str, args) -> dict:
     return {"part": f"{label} ({len(lengths)} win.)", "hf_kernels": len(lengths) + 1,
             "hf_us": sum(one[n] for n in lengths) + cat_us, "fused_kernels": launches,
             "fused_us": fused_us("varlen_attention", args), "fused_op": f"attention x{launches}",
-            "blocks": WINDOW_BLOCKS}
+            "blocks": model.window_blocks}
 
 
-def full_attention_row(label: str, args) -> dict:
+def full_attention_row(label: str, args, model: LayerModel) -> dict:
     """A full-attention block's attention (one window: the image). HF's module makes one sdpa call, one fused
     attention on an NPU too: the same kernel on both sides, costed as kernels/pypto/attention.py's kernel. Its launches are
     one program repeated (pairs of 64 query rows against every key), and PyPTO's estimate of a program does not
@@ -155,8 +226,8 @@ def full_attention_row(label: str, args) -> dict:
         us += count * backend.last_run.estimated_us
     n_launches = sum(count for _, count in launches)
     return {"part": f"{label} ({T} patches)", "hf_kernels": 1, "hf_us": us, "fused_kernels": 1, "fused_us": us,
-            "fused_op": f"attn ({n_launches} sim.)", "blocks": VISION_BLOCKS - WINDOW_BLOCKS,
-            "full_blocks_only": True}
+            "fused_op": f"attn ({n_launches} sim.)", "blocks": model.full_blocks,
+            "full_blocks_only": bool(model.window_blocks)}  # a block's own part where every block attends in full
 
 
 def _w8a8_calls(S: int, dtype):
@@ -177,30 +248,58 @@ def _w8a8_calls(S: int, dtype):
              [("static_quant", (x, scale, offset, None))])]
 
 
-def run_layer(S: int = 128, vision_tokens: int = 256, json_path=None, kv_lengths=(1024,), png_path=None) -> int:
+def _same_kernel_row(label: str, us: float, op: str) -> dict:
+    """A part HF and pypto-gym launch as one kernel each, the same one (costed once, counted on both sides)."""
+    return {"part": label, "hf_kernels": 1, "hf_us": us, "fused_kernels": 1, "fused_us": us, "fused_op": op}
+
+
+def run_layer(S: int = 128, vision_tokens: int = 256, json_path=None, kv_lengths=(1024,), png_path=None,
+              model: LayerModel | None = None) -> int:
     """The tables, a goal per part (the fused ops no slower than HF's kernels on PyPTO's estimate, in fewer launches;
     exit 1 on a miss), JSON and a PNG. The default shapes (a 128-token prefill, a decode step over 1024 cached
     tokens, a vision block of four windows) take minutes; `bench layer --page` the document page's, opt-in."""
+    model = model or layer_model()
     print(header("bench layer"))
+    vision = (f"A vision block's windowed attention: HF's per-window loop vs the fused op, both PyPTO estimates "
+              f"({model.window_blocks} window blocks); a full-attention block's ({model.full_blocks})"
+              if model.window_blocks else f"Every vision block attends over the whole image ({model.full_blocks}): "
+              f"its attention")
     print(f"PyPTO SIM, Ascend 910B2 cost model: estimated AICore us per kernel (launch overhead not included; "
-          f"totals also with {LAUNCH_US[0]:g}-{LAUNCH_US[1]:g} us per launch, a stated range). GutenOCR-3B: "
-          f"{TEXT_LAYERS} text layers, {VISION_BLOCKS} vision blocks; bf16; transformers 5.x's code. The GEMMs: a "
-          f"stated roofline (max of {CUBE_TFLOPS:g} TFLOPS cube peak and {HBM_TBPS:g} TB/s HBM), not a PyPTO "
-          f"estimate. A vision block's windowed attention: HF's per-window loop vs the fused op, both PyPTO "
-          f"estimates (28 window blocks); a full-attention block's (4) and the text attention (a causal prefill, a "
-          f"decode step over its KV cache, with the KV-read floor): one fused attention on the NPU either way (HF's "
-          f"sdpa), costed as pypto-gym's PyPTO kernel on both sides.")
-    result = {"bench": "layer", "machine": hardware.capability(), "launch_us_range": list(LAUNCH_US),
+          f"totals also with {LAUNCH_US[0]:g}-{LAUNCH_US[1]:g} us per launch, a stated range). {model.name}: "
+          f"{model.text_layers} text layers, {model.vision_blocks} vision blocks; bf16; transformers 5.x's code. The "
+          f"GEMMs: a stated roofline (max of {CUBE_TFLOPS:g} TFLOPS cube peak and {HBM_TBPS:g} TB/s HBM), not a "
+          f"PyPTO estimate. {vision} and the text attention (a causal prefill, a decode step over its KV cache, with "
+          f"the KV-read floor): one fused attention on the NPU either way (HF's sdpa), costed as pypto-gym's PyPTO "
+          f"kernel on both sides."
+          + (" A vision LayerNorm (nn.LayerNorm: one kernel on the NPU) and the GELU: the same kernel either way; "
+             "norm2's residual add is HF's one kernel more." if model.vision_norm == "layer_norm" else ""))
+    result = {"bench": "layer", "model": model.name, "machine": hardware.capability(),
+              "launch_us_range": list(LAUNCH_US),
               "gemm_roofline": {"cube_tflops": CUBE_TFLOPS, "hbm_tbps": HBM_TBPS, "stated": True}, "parts": {},
               "shapes": {"text_tokens": S, "vision_tokens": vision_tokens, "kv": list(kv_lengths)}}
     goals = []
-    for part, phase, tokens, per_forward, kv in (("text layer", "prefill", S, TEXT_LAYERS, 0),
-                                                 *(("text layer", "decode", 1, TEXT_LAYERS, n) for n in kv_lengths),
-                                                 ("vision block", "vision", vision_tokens, VISION_BLOCKS, 0)):
+    for part, phase, tokens, per_forward, kv in (
+            ("text layer", "prefill", S, model.text_layers, 0),
+            *(("text layer", "decode", 1, model.text_layers, n) for n in kv_lengths),
+            ("vision block", "vision", vision_tokens, model.vision_blocks, 0)):
         rows = []
-        for label, op, args in _layer_calls(phase, tokens, torch.bfloat16, kv):
+        for label, op, args in _layer_calls(model, phase, tokens, torch.bfloat16, kv):
             if op == "varlen_attention":
-                rows.append((full_attention_row if label == "full attention" else window_attention_row)(label, args))
+                row = full_attention_row if label == "full attention" else window_attention_row
+                rows.append(row(label, args, model))
+                continue
+            if op == "layer_norm":  # nn.LayerNorm is one kernel on the NPU: the same as the fused op's
+                rows.append(_same_kernel_row(label, fused_us(op, args), op))
+                continue
+            if op == "gelu":  # the GELU MLP's activation: one kernel either way (no fused linear + GELU on the NPU)
+                rows.append(_same_kernel_row(label, K.estimate("gelu_tanh", [args[0]], args[0].shape, args[0].dtype),
+                                             "(same GELU)"))
+                continue
+            if op == "add_layer_norm":  # HF: the residual add, then its LayerNorm kernel
+                x1, x2, gamma, beta, eps = args
+                hf_us = K.estimate("add", [x1, x2], x1.shape, x1.dtype) + fused_us("layer_norm", (x1, gamma, beta, eps))
+                rows.append({"part": label, "hf_kernels": 2, "hf_us": hf_us, "fused_kernels": 1,
+                             "fused_us": fused_us(op, args), "fused_op": op})
                 continue
             if op == "decoder_attention":  # HF's sdpa is one fused attention on the NPU too: the same kernel
                 us = fused_us(op, args)
@@ -228,7 +327,7 @@ def run_layer(S: int = 128, vision_tokens: int = 256, json_path=None, kv_lengths
         lo, hi = LAUNCH_US
         print(f"{'per ' + part:<28} {tot['hf_kernels']:>10} {tot['hf_us']:>9.1f} {tot['fused_kernels']:>14} kernels "
               f"{tot['fused_us']:>9.1f} {tot['fused_us'] / tot['hf_us']:>5.2f}x")
-        gemms = gemm_roofline(phase, tokens)
+        gemms = gemm_roofline(phase, tokens, model)
         print(f"{'GEMMs (stated roofline)':<28} {gemms['kernels']:>10} {gemms['us']:>9.1f} {'the same':<14} "
               f"{gemms['us']:>9.1f}  (" + ", ".join(f"{r['gemm']} {r['us']:.1f} {r['bound']}" for r in gemms["rows"])
               + f"; weight-read floor {gemms['weight_floor_us']:.1f} us)")

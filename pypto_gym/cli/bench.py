@@ -86,9 +86,13 @@ def add_parser(sub):
     b.add_argument("--json", help=f"default: {BENCH_OUT}/pypto.json")
     b.add_argument("--png", help=f"default: {BENCH_OUT}/pypto.png")
     b.set_defaults(func=cmd_bench_pypto)
-    b = bench_sub.add_parser("layer", help="one GutenOCR-3B layer and vision block: HF's kernels vs the fused ones "
-                                           "on PyPTO's NPU model, with launch counts and the GEMMs on a stated "
-                                           "roofline")
+    b = bench_sub.add_parser("layer", help="one decoder layer and vision block (GutenOCR-3B's, or --config's): HF's "
+                                           "kernels vs the fused ones on PyPTO's NPU model, with launch counts and "
+                                           "the GEMMs on a stated roofline")
+    b.add_argument("--config", default=None,
+                   help="the model's dimensions from this config.json (default: modeling/gutenocr_3b/config.json; "
+                        "modeling/qwen3_vl_2b/config.json: Qwen3-VL-2B's LayerNorm / GELU vision block and Qwen3 "
+                        "text layer)")
     b.add_argument("--tokens", type=POSITIVE, default=None, help="prefill tokens of the text layer (default 128; "
                                                                     "--page: 512)")
     b.add_argument("--vision-tokens", type=POSITIVE, default=None, help="patches of the vision block (default 256, "
@@ -186,6 +190,10 @@ def pypto_layer_page_cost() -> str:
 def cmd_bench_layer(args) -> int:
     from ..bench import pypto_layer
 
+    try:
+        model = pypto_layer.layer_model(args.config) if args.config else None
+    except (OSError, ValueError) as e:
+        raise UserError(str(e) if str(e).startswith("--config") else f"--config: {e}") from None
     sizes = (512, 3744, [1024, 4096]) if args.page else (128, 256, [1024])
     tokens, vision, kv = (given if given is not None else default
                           for given, default in zip((args.tokens, args.vision_tokens, args.kv), sizes))
@@ -193,7 +201,7 @@ def cmd_bench_layer(args) -> int:
         print(f"bench layer --page: the document page's shapes on PyPTO's SIM: about {pypto_layer_page_cost()}; "
               f"Ctrl-C stops it", flush=True)
     json_path, png_path = bench_outputs(args, "layer")
-    return pypto_layer.run_layer(tokens, vision, json_path, kv_lengths=kv, png_path=png_path)
+    return pypto_layer.run_layer(tokens, vision, json_path, kv_lengths=kv, png_path=png_path, model=model)
 
 
 def cmd_bench_vllm(args) -> int:
