@@ -208,3 +208,67 @@ def test_linear_applies_the_gelu_form_it_is_asked_for(backend):
         other = torch.nn.functional.gelu(x.double(), approximate=forms[next(a for a in forms if a != activation)])
         assert float(((y - own).abs() / own.abs()).max()) < 2 ** -7, activation
         assert float(((y - other).abs() / other.abs()).max()) > 0.05, activation
+
+
+class MergerMLP(nn.Module):
+    """A patch merger (Qwen3-VL's): LayerNorm over each patch (or, post-shuffle, over 4 patches as one row), 4
+    patches regrouped into one row, fc1 -> GELU -> fc2. `inline`: F.gelu in the forward, no activation module."""
+
+    def __init__(self, post=False, inline=False, h=16, out=24):
+        super().__init__()
+        self.h4, self.post, self.inline = 4 * h, post, inline
+        self.norm = nn.LayerNorm(self.h4 if post else h, eps=1e-6)
+        self.linear_fc1, self.linear_fc2 = nn.Linear(self.h4, self.h4), nn.Linear(self.h4, out)
+        if not inline:
+            self.act_fn = nn.GELU()
+
+    def forward(self, x):
+        x = self.norm(x.view(-1, self.h4) if self.post else x).view(-1, self.h4)
+        h = self.linear_fc1(x)
+        return self.linear_fc2(nn.functional.gelu(h) if self.inline else self.act_fn(h))
+
+
+class ScaledMerger(MergerMLP):
+    """A merger whose fc1 reads twice the norm's rows: not the math the site computes."""
+
+    def forward(self, x):
+        return self.linear_fc2(self.act_fn(self.linear_fc1(self.norm(x).view(-1, self.h4) * 2)))
+
+
+@pytest.mark.parametrize("post", [False, True], ids=["norm before the regrouping", "after"])
+def test_a_patch_mergers_mlp_runs_its_norm_then_fc1_and_its_gelu_as_one_linear_call(post):
+    """A merger's norm, its regrouping of 4 patches into one row and its fc1 -> GELU -> fc2: the site runs the norm as
+    a module, then one `linear` call with the GELU (erf, named by its activation module) on fc1: bit-identical on
+    torch, within precision on cpu. Its fc1 reads the regrouped rows: a probe that skipped the regrouping would not
+    match the module, and the site would be skipped."""
+    gen = torch.Generator().manual_seed(0)
+    merger = MergerMLP(post).to(torch.bfloat16)
+    x = torch.randn(12, 16, generator=gen).bfloat16()
+    with torch.no_grad():
+        want = merger(x)
+    model = Stack(merger)
+    for backend in ("torch", "cpu"):
+        report = pypto_gym.patch_model(model, backend=backend, strict=True)
+        with torch.no_grad():
+            got = merger(x)
+        (row,) = [r for r in report.to_json()["sites"] if r["op"] == "linear"]
+        assert (row["status"], row["activation"], row["norm_first"], row["calls"]) == ("patched", "gelu", True, 1)
+        if backend == "torch":
+            assert torch.equal(got, want)
+        else:
+            assert_close(got, want, OPS["linear"].outputs)
+        pypto_gym.unpatch_model(model)
+
+
+def test_a_merger_whose_gelu_form_the_probe_cannot_tell_is_skipped_with_the_reason():
+    """With no activation module to ask, the form is read off the whole forward; fc1's output kept near 0 (where the
+    erf and tanh GELUs agree in bf16) matches both: skipped, not guessed. A forward of other math: skipped too."""
+    merger = MergerMLP(inline=True).to(torch.bfloat16)
+    with torch.no_grad():
+        merger.linear_fc1.weight.mul_(1e-3)
+        merger.linear_fc1.bias.zero_()
+    (row,) = [r for r in pypto_gym.patch_model(Stack(merger), backend="cpu").to_json()["sites"] if r["op"] == "linear"]
+    assert row["status"] == "skipped" and "both GELU forms'" in row["reason"], row
+    other = ScaledMerger().to(torch.bfloat16)
+    (row,) = [r for r in pypto_gym.patch_model(Stack(other), backend="cpu").to_json()["sites"] if r["op"] == "linear"]
+    assert row["status"] == "skipped" and "output is not fc2(gelu(fc1(norm(x) regrouped)))" in row["reason"], row

@@ -17,11 +17,6 @@ KINDS = {"rms_norm", "swiglu", "rope", "qk_norm_rope", "varlen_attention", "deco
          "layer_norm", "linear"}  # add_layer_norm runs in layer_norm's sites (their rows' op)
 
 
-def _merger_mlp(row) -> bool:
-    """A patch merger's fc1 -> GELU -> fc2, which the GELU MLP rule skips: its norm runs first in the same forward."""
-    return row["op"] == "linear" and "merger" in row["path"]
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_qwen3_vl()
@@ -51,10 +46,15 @@ def test_patched_qwen3_vl_generates_as_unpatched(model, backend, grids):
         tokens, logits = _run(model, inputs)
         rows = report.to_json()["sites"]
         ran = {r["op"] for r in rows if r["calls"]}
-        assert ran == KINDS and all(r["status"] == "patched" for r in rows if r["op"] in KINDS and not _merger_mlp(r))
-        mlps = [r for r in rows if r["kind"] == "vision.gelu_mlp"]
-        assert [r["activation"] for r in mlps if r["status"] == "patched"] == ["gelu_tanh"] * model.config.vision_config.depth
-        assert all("more layers than fc1 and fc2 (norm)" in r["reason"] for r in mlps if _merger_mlp(r))
+        assert ran == KINDS and all(r["status"] == "patched" for r in rows if r["op"] in KINDS)
+        # the blocks' MLPs (HF's gelu_pytorch_tanh) and the patch mergers' (their norm first, nn.GELU(): erf), each
+        # named by its probe
+        mlps = {r["path"].split("visual.")[1]: r for r in rows if r["kind"] == "vision.gelu_mlp"}
+        depth, taps = model.config.vision_config.depth, len(model.config.vision_config.deepstack_visual_indexes)
+        assert {p: (r["activation"], r["norm_first"]) for p, r in mlps.items()} == {
+            **{f"blocks.{i}.mlp": ("gelu_tanh", False) for i in range(depth)}, "merger": ("gelu", True),
+            **{f"deepstack_merger_list.{i}": ("gelu", True) for i in range(taps)}}
+        assert all(r["calls"] for r in mlps.values())
         assert all(set(r["ran_on"]) <= {backend} for r in rows) and not report.to_json()["summary"]["fallbacks"]
         kinds = {r["kind"] for r in rows if r["op"] == "layer_norm"}
         assert kinds == {"vision.norm1", "vision.norm2", "vision.merger.norm", "vision.deepstack_merger.norm"}
@@ -123,8 +123,7 @@ def test_the_tiny_checkpoint_runs_the_main_job_with_every_site_kind_patched(caps
     for label in ("norm", "mlp", "rope", "qk-norm+rope", "vision attention", "text attention", "patch embedding",
                   "layer norm", "GELU MLP"):
         counts = re.search(rf"(\d+)/(\d+) {re.escape(label)} sites patched", report)
-        skipped = 3 if label == "GELU MLP" else 0  # the patch mergers' MLPs (their norm first): skipped, said why
-        assert counts and int(counts[1]) + skipped == int(counts[2]) and int(counts[1]) > 0, (label, report)
+        assert counts and int(counts[1]) == int(counts[2]) > 0, (label, report)
     assert "fallbacks=0" in report
 
 
@@ -153,8 +152,8 @@ def _linear_count(model) -> tuple[int, int]:
 def test_w8a8_runs_every_linear_but_lm_head_int8(quantised):
     """Dynamic W8A8 of the tiny Qwen3-VL: every decoder linear int8, its norms and MLPs handing over int8 rows (the
     DeepStack adds between the first layers included); every vision linear int8 too, each quantising its own input
-    (its LayerNorms and GELUs hand over none), the blocks' GELU MLP sites running their module's int8 linears, counted
-    as bypasses; lm_head float; logits close to the float model's."""
+    (its LayerNorms and GELUs hand over none), the GELU MLP sites (blocks and mergers) running their module's int8
+    linears, counted as bypasses; lm_head float; logits close to the float model's."""
     family, model, _, _, want, got, q = quantised
     text_count, vision_count = _linear_count(model)
     text = [r for r in q["linears"] if ".language_model." in r["path"]]
@@ -167,8 +166,9 @@ def test_w8a8_runs_every_linear_but_lm_head_int8(quantised):
         assert fed == (r in text and not r["path"].endswith("o_proj")), r
         assert r["calls"] >= 1 and (r["handed_over"] if fed else r["quantized_here"]) == r["calls"], r
     sites = pypto_gym.patch_report(model).to_json()["sites"]
-    blocks = [r for r in sites if r["kind"] == "vision.gelu_mlp" and r["status"] == "patched"]
-    assert len(blocks) == model.config.vision_config.depth
+    blocks = [r for r in sites if r["kind"] == "vision.gelu_mlp" and r["status"] == "patched"]  # and the mergers'
+    vc = model.config.vision_config
+    assert len(blocks) == vc.depth + 1 + len(vc.deepstack_visual_indexes)
     bypass = "fc1 is an int8 linear (W8A8): the module's forward runs it"
     assert all(list(r["fusion_bypassed"]) == [bypass] and r["fusion_bypassed"][bypass] >= 1 and r["calls"] == 0
                for r in blocks), blocks

@@ -1,15 +1,20 @@
 """The GELU MLP rule: every `fc2(gelu(fc1(x)))` MLP becomes a `linear` site whose first linear runs with its GELU in
-the GEMM's epilogue (Qwen3-VL's vision MLP: `linear_fc1`, HF's `gelu_pytorch_tanh`, `linear_fc2`).
+the GEMM's epilogue (Qwen3-VL's vision MLP: `linear_fc1`, HF's `gelu_pytorch_tanh`, `linear_fc2`; its patch mergers'
+`fc2(gelu(fc1(norm(x) regrouped)))`, `nn.GELU()`).
 
-A module is a candidate when it has two linears named `fc1`/`fc2` or `linear_fc1`/`linear_fc2`. A probe then runs the
-module's own forward on a small random input scaled so the GELU's input spreads over [-4, 4] (where the erf and tanh
-forms and QuickGELU differ far beyond bf16's rounding) and requires `fc2(F.gelu(fc1(x)))` bit for bit in the erf or
-the tanh form, which names the site's activation; QuickGELU (Qwen2-VL's vision MLP: no such oneDNN epilogue) and a
-forward that does more (the patch mergers: their norm first) are skipped with the reason. The site calls `linear`
-with the activation on fc1's own weight and bias, then the module's fc2 (its hooks stay; its bias in the GEMM's
-epilogue on the cpu backend, gemm.py). Only the `cpu` backend has the fused kernel; the `torch` backend runs the
-golden (HF's two roundings, bit-identical); on the NPU and PyPTO backends the site is skipped with the reason (no
-documented linear + GELU call: `npu_ffn`'s "gelu" does not say erf or tanh), the module's own kernels run.
+A module is a candidate when it has two linears named `fc1`/`fc2` or `linear_fc1`/`linear_fc2`, and nothing else with
+weights but, for a patch merger, one `norm` run first. A probe then runs the module's own forward on a small random
+input and requires, bit for bit, `fc2(F.gelu(fc1(x)))` or, with the norm, `fc2(F.gelu(fc1(norm(x viewed as rows of
+the norm's width) viewed as rows of fc1's width)))` (the merger's regrouping of 4 patches into one row, before or
+after its norm) in the erf or the tanh form. The form is named where the two differ far beyond bf16's rounding: the
+activation module alone on inputs over [-4, 4] (`act_fn`), else the MLP's input scaled so fc1's output spreads that
+wide; a forward that matches both forms (the probe could not tell them apart) or neither, QuickGELU (Qwen2-VL's
+vision MLP: no such oneDNN epilogue) and a forward that runs more layers are skipped with the reason. The site calls
+the norm as a module (its own site, if patched), `linear` with the activation on fc1's own weight and bias, then the
+module's fc2 (its hooks stay; its bias in the GEMM's epilogue on the cpu backend, gemm.py). Only the `cpu` backend has
+the fused kernel; the `torch` backend runs the golden (HF's two roundings, bit-identical); on the NPU and PyPTO
+backends the site is skipped with the reason (no documented linear + GELU call: `npu_ffn`'s "gelu" does not say erf or
+tanh), the module's own kernels run. Under W8A8 (int8 fc1 and fc2) the module's forward runs them, counted.
 """
 from __future__ import annotations
 
@@ -35,29 +40,63 @@ def _linears(module):
     return None
 
 
-def _probe(module, fc1, fc2) -> tuple[str, str]:
-    """(activation, '') if the module computes fc2(gelu(fc1(x))) bit for bit, else ('', why not)."""
+def _norm_width(norm) -> int | None:
+    """The width a merger's norm takes (its weight's), or None without one."""
+    w = getattr(norm, "weight", None)
+    return int(w.shape[-1]) if isinstance(w, torch.Tensor) and w.dim() == 1 else None
+
+
+def _regrouped(norm, x, fc1):
+    """A patch merger's input to fc1: its norm over rows of the norm's width, regrouped into rows of fc1's."""
+    return norm(x.reshape(-1, _norm_width(norm))).reshape(-1, fc1.in_features)
+
+
+def _activation_form(act) -> str:
+    """'gelu_tanh' or 'gelu' if the activation module is F.gelu in that form on [-4, 4] bit for bit, else ''."""
+    h = torch.linspace(-4, 4, 257)
+    try:
+        with torch.no_grad():
+            y = act(h)
+    except Exception:  # noqa: BLE001 - an activation that cannot run on a vector names no form
+        return ""
+    return next((a for a in ("gelu_tanh", "gelu") if isinstance(y, torch.Tensor) and y.shape == h.shape
+                 and torch.equal(y, F.gelu(h, approximate="tanh" if a == "gelu_tanh" else "none"))), "")
+
+
+def _probe(module, fc1, fc2, norm=None, act=None) -> tuple[str, str]:
+    """(activation, '') if the module computes fc2(gelu(fc1(x))) (after its norm, regrouped) bit for bit in one GELU
+    form, else ('', why not)."""
     w = fc1.weight
     if w.is_meta or getattr(fc1, "_hf_hook", None) is not None:
         return "", "its weights are not here to probe (meta device or offloaded)"
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(4, fc1.in_features, generator=gen).to(device=w.device, dtype=w.dtype)
+    width = fc1.in_features if norm is None else _norm_width(norm)
+    rows = 4 if norm is None else 2 * max(1, fc1.in_features // width)
+    x = torch.randn(rows, width, generator=gen).to(device=w.device, dtype=w.dtype)
+    named = "" if act is None else _activation_form(act)
     try:
         with torch.no_grad(), torch_hooks_set_aside(module):  # a probe is not a call anyone's hooks should see
-            spread = float(fc1(x).float().std())
-            if spread > 0:
+            spread = float(fc1(x).float().std()) if norm is None else 0.0
+            if spread > 0 and not named:
                 x = (x.float() * (PROBE_SPREAD / spread)).to(w.dtype)
-            got, h = module.forward(x), fc1(x)
+            got = module.forward(x)
+            h = fc1(x if norm is None else _regrouped(norm, x, fc1))
             forms = {"gelu_tanh": fc2(F.gelu(h, approximate="tanh")), "gelu": fc2(F.gelu(h))}
             quick = fc2(h * torch.sigmoid(1.702 * h))
-    except Exception as e:  # noqa: BLE001 - a module that cannot run on [4, in_features] is not an MLP site
+    except Exception as e:  # noqa: BLE001 - a module that cannot run on this input is not an MLP site
         return "", probe_failed(e)
-    for activation, want in forms.items():
-        if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want):
-            return activation, ""
+    matched = [a for a, want in forms.items()
+               if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want)]
+    if named in matched:
+        return named, ""
+    if len(matched) == 1 and not named:
+        return matched[0], ""
+    if len(matched) == 2:
+        return "", "probe: its output is both GELU forms' (fc1's output never left where they agree): form unknown"
     if isinstance(got, torch.Tensor) and got.shape == quick.shape and torch.allclose(got, quick):
         return "", "QuickGELU: no fused linear epilogue computes it (oneDNN's are GELU's erf and tanh forms)"
-    return "", "probe: output is not fc2(gelu(fc1(x))) in the erf or the tanh form"
+    what = "fc2(gelu(fc1(x)))" if norm is None else "fc2(gelu(fc1(norm(x) regrouped)))"
+    return "", f"probe: output is not {what} in the erf or the tanh form"
 
 
 class GeluMlpSite(Site):
@@ -69,10 +108,11 @@ class GeluMlpSite(Site):
         super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
         self.activation = cand.info["activation"]
         self.fc1, self.fc2 = _linears(cand.module)
+        self.norm = cand.info["norm"]  # a patch merger's norm (run as a module, before the regrouping), or None
         self.call = LINEAR.bind(options.backend, self.stats, activation=self.activation)
 
     def details(self) -> dict:
-        return {**weight_details(self.fc1.weight), "activation": self.activation,
+        return {**weight_details(self.fc1.weight), "activation": self.activation, "norm_first": self.norm is not None,
                 "fusion_bypassed": dict(self.bypassed)}
 
 
@@ -87,6 +127,8 @@ def gelu_mlp_forward(module, x):
     if "forward" in site.fc1.__dict__:  # W8A8 made fc1 an int8 linear (its instance forward): it must run
         site.bypass("fc1 is an int8 linear (W8A8): the module's forward runs it")
         return site.original(x)
+    if site.norm is not None:
+        x = _regrouped(site.norm, x, site.fc1)
     return site.fc2(site.call(x, site.fc1.weight, site.fc1.bias))
 
 
@@ -104,7 +146,7 @@ class GeluMlpRule(Rule):
         pair = _linears(module)
         if pair is None:
             return None
-        cand = Candidate(self, path, module, self.kind_of(path, module), info={"activation": None})
+        cand = Candidate(self, path, module, self.kind_of(path, module), info={"activation": None, "norm": None})
         backend = getattr(options, "backend", "auto")
         if backend not in FUSED_ON or (backend == "auto" and pair[0].weight.device.type != "cpu"):
             cand.reason = (f"no fused linear + GELU on the {backend if backend != 'auto' else 'NPU'} backend (no "
@@ -112,10 +154,13 @@ class GeluMlpRule(Rule):
             return cand
         others = [name for name, child in module.named_children()
                   if child not in pair and any(True for _ in child.parameters())]
-        if others:  # a patch merger: its norm before fc1
+        norm = getattr(module, "norm", None) if others == ["norm"] else None
+        if others and (norm is None or _norm_width(norm) is None or pair[0].in_features % _norm_width(norm)):
             cand.reason = f"its forward runs more layers than fc1 and fc2 ({', '.join(others)}): not one MLP"
             return cand
-        cand.info["activation"], cand.reason = _probe(module, *pair)
+        acts = [child for child in module.children() if not any(True for _ in child.parameters())]
+        cand.info["norm"] = norm
+        cand.info["activation"], cand.reason = _probe(module, *pair, norm, acts[0] if len(acts) == 1 else None)
         return cand
 
     def skipped_details(self, cand):
