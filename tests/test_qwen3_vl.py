@@ -353,3 +353,38 @@ def test_a_text_only_export_is_qwen3_and_computes_the_decoder_bit_for_bit(tmp_pa
         loaded, _, loaded_family, report = export.load(out, backend="cpu")
         assert loaded_family is models.FAMILIES["qwen3"] and report.to_json()["w8a8"]["summary"]["loaded_int8"] == 28
         assert torch.equal(_logits(loaded, {"input_ids": ids}), want), fmt
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_batch_of_two_images_of_different_sizes_generates_as_unpatched(backend):
+    """The embedded Qwen3-VL on a batch of two prompts, the text line (224x56) and it resized to 96x128: left-padded
+    rows of different lengths, two images of different sizes in one vision call, every site kind patched,
+    strict; greedy tokens as unpatched on torch (bit for bit) and on cpu (the same tokens, or apart first where the
+    unpatched run had a near-tie)."""
+    from pypto_gym import models
+    from pypto_gym.inference import open_image
+
+    family = models.FAMILIES["qwen3_vl"]
+    model, processor = family.load(family.tiny_dir, "bfloat16")
+    line = open_image(family.images[0])
+    batch = processor([family.calibration_prompts[0]] * 2, [line, line.resize((96, 128))], model)
+    assert batch["attention_mask"].min() == 0 and len({tuple(g.tolist()) for g in batch["image_grid_thw"]}) == 2
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=6, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    want = out.sequences
+    margins = [(s.float().topk(2, dim=-1).values.diff(dim=-1).abs().min()) for s in out.scores]
+    report = pypto_gym.patch_model(model, backend=backend, strict=True)
+    try:
+        with torch.no_grad():
+            got = model.generate(**batch, max_new_tokens=6, do_sample=False)
+        rows = report.to_json()["sites"]
+        assert {r["op"] for r in rows if r["calls"]} == KINDS and not report.to_json()["summary"]["fallbacks"]
+    finally:
+        pypto_gym.unpatch_model(model)
+    if backend == "torch":
+        assert torch.equal(got, want)
+    else:
+        for new, ref in zip(got[:, -6:].tolist(), want[:, -6:].tolist()):
+            first = next((i for i, (a, b) in enumerate(zip(new, ref)) if a != b), None)
+            assert first is None or float(margins[first]) < 0.05, (new, ref)

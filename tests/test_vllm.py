@@ -30,6 +30,20 @@ def _prompts(family):
     return [processor([p], None, None)["input_ids"][0].tolist() for p in family.calibration_prompts[:3]]
 
 
+def _served_as_pypto_gym_runs_it(family, export_dir) -> None:
+    """vLLM's greedy run of the export (3 of the family's prompts, 8 tokens) on its own compressed-tensors W8A8 kernels
+    is pypto-gym's by vLLM's rule: two engines' bf16 roundings, so a near-tie may go either way, logprobs within 4 bf16
+    ulps."""
+    prompts = _prompts(family)
+    theirs = compare.vllm_run(VLLM_PYTHON, export_dir, prompts, MAX_TOKENS)
+    ours = compare.own_run(export_dir, prompts, MAX_TOKENS)
+    assert theirs["quantization"] == "compressed-tensors" and ours["int8_linears"] == 28
+    got = compare.agreement(theirs, ours)
+    print(f"{family.name} {export_dir.name}: {got}")
+    assert got["close"], (got, theirs["outputs"], ours["outputs"])
+    assert got["max_logprob_diff_ulps"] <= 4 and got["max_topk_gap_ulps"] <= 4, got
+
+
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def calibrated_export(request, tmp_path_factory):
     """A family's tiny checkpoint calibrated and exported with default options (compressed-tensors), and again
@@ -56,15 +70,7 @@ def test_vllm_serves_the_default_export_as_pypto_gym_runs_it(calibrated_export):
         assert (tmp / "released" / f).read_bytes() == (tmp / "default" / f).read_bytes(), f
     config = json.loads((tmp / "default" / "config.json").read_text())
     assert config["architectures"] and "lm_head" in config["quantization_config"]["ignore"]
-    prompts = _prompts(family)
-    theirs = compare.vllm_run(VLLM_PYTHON, tmp / "default", prompts, MAX_TOKENS)
-    ours = compare.own_run(tmp / "default", prompts, MAX_TOKENS)
-    assert theirs["quantization"] == "compressed-tensors" and ours["int8_linears"] == 28
-    got = compare.agreement(theirs, ours)
-    print(f"{family.name}: {got}")
-    # two engines' bf16 roundings: a near-tie may go either way (vLLM's own rule), logprobs within 4 bf16 ulps
-    assert got["close"], (got, theirs["outputs"], ours["outputs"])
-    assert got["max_logprob_diff_ulps"] <= 4 and got["max_topk_gap_ulps"] <= 4, got
+    _served_as_pypto_gym_runs_it(family, tmp / "default")
 
 
 @pytest.mark.integration
@@ -76,14 +82,7 @@ def test_vllm_serves_the_static_export_as_pypto_gym_runs_it(calibrated_export):
     config = json.loads((tmp / "static" / "config.json").read_text())
     activations = config["quantization_config"]["config_groups"]["group_0"]["input_activations"]
     assert (activations["strategy"], activations["dynamic"], activations["symmetric"]) == ("tensor", False, False)
-    prompts = _prompts(family)
-    theirs = compare.vllm_run(VLLM_PYTHON, tmp / "static", prompts, MAX_TOKENS)
-    ours = compare.own_run(tmp / "static", prompts, MAX_TOKENS)
-    assert theirs["quantization"] == "compressed-tensors" and ours["int8_linears"] == 28
-    got = compare.agreement(theirs, ours)
-    print(f"{family.name} static: {got}")
-    assert got["close"], (got, theirs["outputs"], ours["outputs"])
-    assert got["max_logprob_diff_ulps"] <= 4 and got["max_topk_gap_ulps"] <= 4, got
+    _served_as_pypto_gym_runs_it(family, tmp / "static")
 
 
 def test_an_int8_lm_head_export_is_refused_by_vllm_as_the_summary_says(tmp_path):
@@ -230,11 +229,4 @@ def test_vllm_serves_the_text_only_export_of_a_qwen3_vl(tmp_path):
     assert cli_main(["calibrate", "--model", str(family.tiny_dir), "--max-new-tokens", "2", "--out", str(calib)]) == 0
     assert cli_main(["export", "--model", str(family.tiny_dir), "--calibration", str(calib), "--text-only",
                      str(tmp_path / "text")]) == 0
-    prompts = _prompts(family)
-    theirs = compare.vllm_run(VLLM_PYTHON, tmp_path / "text", prompts, MAX_TOKENS)
-    ours = compare.own_run(tmp_path / "text", prompts, MAX_TOKENS)
-    assert theirs["quantization"] == "compressed-tensors" and ours["int8_linears"] == 28
-    got = compare.agreement(theirs, ours)
-    print(f"qwen3_vl text-only: {got}")
-    assert got["close"], (got, theirs["outputs"], ours["outputs"])
-    assert got["max_logprob_diff_ulps"] <= 4 and got["max_topk_gap_ulps"] <= 4, got
+    _served_as_pypto_gym_runs_it(family, tmp_path / "text")
