@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import hardware
-from ..models.qwen2_5_vl import GUTENOCR_CONFIG
+from ..models.qwen2_5_vl import GUTENOCR_CONFIG, read_config
 from ..kernels.pypto.varlen_attention import long_window_pairs, windows_per_launch
 from ..ops import OPS, registry
 from ..ops.defs.varlen_attention import windows
@@ -81,8 +81,6 @@ class LayerModel:
 def layer_model(config_path=GUTENOCR_CONFIG) -> LayerModel:
     """The LayerModel of a Qwen2.5-VL (GutenOCR-3B) or Qwen3-VL config.json; another model type is refused."""
     from pathlib import Path
-
-    from ..models.qwen2_5_vl import read_config
 
     raw = read_config(config_path)
     kind = raw.get("model_type")

@@ -36,7 +36,6 @@ def add_parser(sub):
 def run(args) -> int:
     from pathlib import Path
 
-    from .. import models
     from ..inference import resolve_device
     from ..patching import patch_model
     from ..quant import export
@@ -47,10 +46,8 @@ def run(args) -> int:
     if args.quant == "w8a8_static" and args.calibration is None:
         raise common.UserError("--quant w8a8_static: needs --calibration (the static scales come from its activation "
                                "ranges)")
-    if args.text_only and family.text_only_config is None:
-        having = [f.name for f in models.FAMILIES.values() if f.text_only_config is not None]
-        raise common.UserError(f"--text-only: the {family.name} family has no text-only export (families with one: "
-                               f"{', '.join(having)})")
+    if args.text_only and export.text_only_refusal(family):
+        raise common.UserError(f"--text-only: {export.text_only_refusal(family)}")
     float_linears = common.parse_float_linears(args.float_linears)
     try:
         out = export.check_out_dir(args.out)  # before the model is loaded and quantised, not after

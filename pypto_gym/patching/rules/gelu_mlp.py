@@ -46,9 +46,9 @@ def _norm_width(norm) -> int | None:
     return int(w.shape[-1]) if isinstance(w, torch.Tensor) and w.dim() == 1 else None
 
 
-def _regrouped(norm, x, fc1):
-    """A patch merger's input to fc1: its norm over rows of the norm's width, regrouped into rows of fc1's."""
-    return norm(x.reshape(-1, _norm_width(norm))).reshape(-1, fc1.in_features)
+def _regrouped(norm, width: int, x, fc1):
+    """A patch merger's input to fc1: its norm over rows of the norm's `width`, regrouped into rows of fc1's."""
+    return norm(x.reshape(-1, width)).reshape(-1, fc1.in_features)
 
 
 def _activation_form(act) -> str:
@@ -80,7 +80,7 @@ def _probe(module, fc1, fc2, norm=None, act=None) -> tuple[str, str]:
             if spread > 0 and not named:
                 x = (x.float() * (PROBE_SPREAD / spread)).to(w.dtype)
             got = module.forward(x)
-            h = fc1(x if norm is None else _regrouped(norm, x, fc1))
+            h = fc1(x if norm is None else _regrouped(norm, width, x, fc1))
             forms = {"gelu_tanh": fc2(F.gelu(h, approximate="tanh")), "gelu": fc2(F.gelu(h))}
             quick = fc2(h * torch.sigmoid(1.702 * h))
     except Exception as e:  # noqa: BLE001 - a module that cannot run on this input is not an MLP site
@@ -109,6 +109,7 @@ class GeluMlpSite(Site):
         self.activation = cand.info["activation"]
         self.fc1, self.fc2 = _linears(cand.module)
         self.norm = cand.info["norm"]  # a patch merger's norm (run as a module, before the regrouping), or None
+        self.norm_width = None if self.norm is None else _norm_width(self.norm)
         self.call = LINEAR.bind(options.backend, self.stats, activation=self.activation)
 
     def details(self) -> dict:
@@ -128,7 +129,7 @@ def gelu_mlp_forward(module, x):
         site.bypass("fc1 is an int8 linear (W8A8): the module's forward runs it")
         return site.original(x)
     if site.norm is not None:
-        x = _regrouped(site.norm, x, site.fc1)
+        x = _regrouped(site.norm, site.norm_width, x, site.fc1)
     return site.fc2(site.call(x, site.fc1.weight, site.fc1.bias))
 
 

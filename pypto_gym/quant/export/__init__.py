@@ -19,7 +19,7 @@ written once, as the embedding's float table, and quantised again on loading.
 from .checkpoint import SIDECAR, check_out_dir
 from .load import int8_format, load, quant_mode_of
 from .msmodelslim import MSMODELSLIM_JSON, MSMODELSLIM_WEIGHTS, deq_scale_from_int64
-from .save import FORMATS, LM_HEAD_CONSUMERS, save
+from .save import FORMATS, LM_HEAD_CONSUMERS, save, text_only_refusal
 
 __all__ = ["FORMATS", "LM_HEAD_CONSUMERS", "MSMODELSLIM_JSON", "MSMODELSLIM_WEIGHTS", "SIDECAR", "check_out_dir",
-           "deq_scale_from_int64", "int8_format", "load", "quant_mode_of", "save"]
+           "deq_scale_from_int64", "int8_format", "load", "quant_mode_of", "save", "text_only_refusal"]

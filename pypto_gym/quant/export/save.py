@@ -35,10 +35,8 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors", tex
         raise ValueError(f"format: got {format!r}; expected one of {', '.join(map(repr, FORMATS))}")
     fmt = _WRITERS[format]
     family = models.family_of(model)
-    if text_only and (family is None or family.text_only_config is None):
-        having = [f.name for f in models.FAMILIES.values() if f.text_only_config is not None]
-        raise ValueError(f"text_only: the {family.name if family else 'unknown'} family has no text-only export "
-                         f"(families with one: {', '.join(having)})")
+    if text_only and text_only_refusal(family):
+        raise ValueError(f"text_only: {text_only_refusal(family)}")
     state = model.__dict__.get(_STATE_ATTR)
     plan = None if state is None else state.quant
     if plan is None:
@@ -90,6 +88,17 @@ def save(model, out_dir, processor=None, format: str = "compressed-tensors", tex
         if processor is not None:
             processor.save_pretrained(tmp)
     return {"int8": int8, "ignore": sorted(ignore), "lm_head": lm_head}
+
+
+def text_only_refusal(family) -> str | None:
+    """Why `family` (a models.Family, or None: unknown) has no text-only export, or None when it has one."""
+    from ... import models
+
+    if family is not None and family.text_only_config is not None:
+        return None
+    having = [f.name for f in models.FAMILIES.values() if f.text_only_config is not None]
+    return (f"the {family.name if family else 'unknown'} family has no text-only export (families with one: "
+            f"{', '.join(having)})")
 
 
 LANGUAGE_MODEL = "model.language_model."  # where a vision-language model's decoder is (transformers 5.x's layout)
