@@ -176,6 +176,24 @@ def test_nan_and_inf_propagate_like_the_reference(kernel, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_quant_ops_propagate_nan_and_inf_like_the_reference(kernel, dtype, approximate):
+    """A NaN, +inf or -inf in a row makes its scale non-finite and its codes 0, as the golden's; the other rows'
+    codes and scales are the golden's, on the vector path and the scalar tail (D = 40: 32 + 8 or 16 + 16 + 8). (At
+    +inf torch's erf GELU is NaN through oneDNN, inf through its own kernel: the scale is NaN or inf, not finite.)"""
+    x = (3 * torch.randn(5, 40)).to(dtype)
+    x[0, 3], x[1, 37], x[2, 5], x[3, 36] = float("nan"), float("nan"), float("inf"), float("-inf")
+    y, s = run("gelu_dynamic_quant", kernel, x, approximate=approximate)
+    gy, gs = GOLDEN["gelu_dynamic_quant"](x, None, approximate)
+    assert torch.equal(torch.isfinite(s), torch.isfinite(gs)) and torch.isfinite(s).tolist() == [0, 0, 0, 0, 1]
+    assert torch.equal(y, gy) and float(s[4]) == float(gs[4])
+    q = run("gelu_quant", kernel, x, torch.tensor([0.05]), torch.tensor([2.0]), approximate=approximate)
+    gq = GOLDEN["gelu_quant"](x, torch.tensor([0.05]), torch.tensor([2.0]), None, approximate)
+    plus_inf = x == float("inf")  # GELU's limit, inf (code 127), here; torch's oneDNN erf GELU gives NaN (code 0)
+    assert torch.equal(q[~plus_inf], gq[~plus_inf]) and q[plus_inf].tolist() == [127]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("D", [1, 7, 16, 33, 1280, 2049])
 def test_layer_norm_is_within_two_ulps_and_a_nan_or_inf_makes_its_row_nan(kernel, dtype, D):
     """Rows far from zero mean (the two-pass variance), every vector-tail width; a NaN or an inf makes the whole row
@@ -359,6 +377,10 @@ def test_every_entry_point_checks_what_it_indexes_with(kernel):
             ext.layer_norm(x1, bad, None, 1e-6)
     with pytest.raises(RuntimeError, match="beta has 65 elements"):
         ext.layer_norm(x1, None, torch.ones(65, dtype=bf), 1e-6)
+    with pytest.raises(RuntimeError, match="smooth_scales has 63 elements"):
+        ext.gelu_dynamic_quant(x1, torch.ones(63), True, 127.0, -128.0)
+    with pytest.raises(RuntimeError, match="x has dtype Int"):
+        ext.gelu_quant(torch.ones(4, 64, dtype=torch.int32), None, False, 0.05, 0.0)
 
 
 # Shapes whose rows, blocks or windows x heads split into several at::parallel_for chunks at these thread counts

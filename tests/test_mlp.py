@@ -1,6 +1,7 @@
 """The MLP rules on real transformers models: the SwiGLU rule (patching/rules/mlp.py) found, probed, patched, exact on
 torch; the GELU MLP rule (gelu_mlp.py) on fc1 -> GELU -> fc2 MLPs."""
 import copy
+import math
 
 import pytest
 import torch
@@ -272,3 +273,49 @@ def test_a_merger_whose_gelu_form_the_probe_cannot_tell_is_skipped_with_the_reas
     other = ScaledMerger().to(torch.bfloat16)
     (row,) = [r for r in pypto_gym.patch_model(Stack(other), backend="cpu").to_json()["sites"] if r["op"] == "linear"]
     assert row["status"] == "skipped" and "output is not fc2(gelu(fc1(norm(x) regrouped)))" in row["reason"], row
+
+
+# ---- gelu_dynamic_quant / gelu_quant: a GELU MLP's middle in W8A8 ---------------------------------------------------
+def _gelu64(x, approximate):
+    """GELU in fp64 from its formula (math.erf, math.tanh), independent of torch's kernel."""
+    if approximate == "tanh":
+        f = lambda v: 0.5 * v * (1 + math.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3)))  # noqa: E731
+    else:
+        f = lambda v: 0.5 * v * (1 + math.erf(v / math.sqrt(2)))  # noqa: E731
+    return torch.tensor([[f(float(v)) for v in row] for row in x.double()], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_quant_ops_hand_worked_example(approximate):
+    """One fp32 row [0, 1, -1, 2]: GELU = [0, 0.8413, -0.1587, 1.9545] (erf) or [0, 0.8412, -0.1588, 1.9546] (tanh);
+    dynamic: scale = 1.9545 / 127, codes [0, 55, -10, 127]; static under scale 0.02 and offset -3: rint(a / 0.02 - 3)
+    = [-3, 39, -11, 95]."""
+    x = torch.tensor([[0.0, 1.0, -1.0, 2.0]])
+    a = _gelu64(x, approximate)
+    y, scale = ops.gelu_dynamic_quant(x, approximate=approximate, backend="torch")
+    assert float(scale[0]) == pytest.approx(float(a[0, 3]) / 127, rel=1e-6)
+    assert y.tolist() == torch.round(a / (a[0, 3] / 127)).tolist() == [[0, 55, -10, 127]]
+    q = ops.gelu_quant(x, torch.tensor([0.02]), torch.tensor([-3.0]), approximate=approximate, backend="torch")
+    assert q.tolist() == torch.round(a / 0.02 - 3).tolist() == [[-3, 39, -11, 95]]
+
+
+@pytest.mark.parametrize("approximate,act", [("none", nn.GELU()), ("tanh", nn.GELU(approximate="tanh"))])
+def test_gelu_quant_ops_quantise_exactly_the_tensor_the_modules_fc2_reads(approximate, act):
+    """The codes are those of the module's own activation (one rounding to bf16), smoothed, bit for bit with
+    dynamic_quant / static_quant of it; against fp64 from that activation at most one code apart (the fp32 division),
+    and the activation itself is the fp64 GELU within bf16's rounding."""
+    torch.manual_seed(5)
+    x, smooth = (torch.randn(3, 7, 512) * 3).bfloat16(), torch.rand(512) + 0.5
+    with torch.no_grad():
+        a = act(x)
+    assert torch.allclose(a.double(), _gelu64(x.reshape(-1, 512), approximate).reshape(a.shape), rtol=2 ** -8,
+                          atol=1e-6)
+    y, scale = ops.gelu_dynamic_quant(x, smooth, approximate=approximate, backend="torch")
+    want = ops.dynamic_quant(a, smooth, backend="torch")
+    assert torch.equal(y, want[0]) and torch.equal(scale, want[1])
+    n = a.double() * smooth.double()
+    codes = torch.round(n / (n.abs().amax(-1, keepdim=True) / 127))
+    assert int((y.double() - codes).abs().max()) <= 1 and float((y.double() != codes).double().mean()) < 1e-3
+    s, o = torch.tensor([0.05]), torch.tensor([4.0])
+    assert torch.equal(ops.gelu_quant(x, s, o, smooth, approximate=approximate, backend="torch"),
+                       ops.static_quant(a, s, o, smooth, backend="torch"))

@@ -533,7 +533,7 @@ def test_varlen_attention_limits_are_the_documented_ones(npu, monkeypatch):
     heads = torch.zeros(10, 257, 16, dtype=torch.bfloat16)
     assert "257 query heads > 256" in npu.supports("varlen_attention", heads, heads, heads, [0, 10], 0.25, "hf")
     monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", "Ascend310P3")
-    npu.backend.series.cache_clear()
+    npu.backend.device_name.cache_clear()
     assert "A2/A3" in npu.supports("varlen_attention", qb, qb, qb, [0, 10], 0.25, "hf")
     with pytest.raises(RuntimeError, match="A2/A3"):
         torch_npu_standin.npu_fused_infer_attention_score(qb, qb, qb, actual_seq_lengths=[10],
@@ -781,3 +781,45 @@ def test_interleaved_mrope_maps_onto_npu_mrope_cache_mode_interleave(npu, monkey
     assert sent[-1]["cache_mode"] == "interleave"
     chunked = npu.rotary_embedding(*args[:-1], False)
     assert "cache_mode" not in sent[-1] and not compare_outputs(chunked, op.golden(*args), op.outputs)[0].passed
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gelu_quant_ops_map_onto_npu_gelu_in_the_form_asked_then_the_quant_call(npu, approximate, dtype):
+    """gelu_dynamic_quant is npu_gelu (with `approximate` passed: torch's own gelu on an NPU computes the tanh form
+    whatever it is asked) then npu_dynamic_quant; gelu_quant is npu_gelu then npu_quantize. The codes are the golden's;
+    the other form's would not be."""
+    torch.manual_seed(0)
+    x = (2 * torch.randn(6, 96)).to(dtype)
+    smooth = (torch.rand(96) + 0.5).to(dtype)
+    got = npu.gelu_dynamic_quant(x, smooth, approximate, "int8")
+    assert torch_npu_standin.calls == ["npu_gelu", "npu_dynamic_quant"]
+    assert_close(got, OPS["gelu_dynamic_quant"].golden(x, smooth, approximate), OPS["gelu_dynamic_quant"].outputs)
+    other = OPS["gelu_dynamic_quant"].golden(x, smooth, "tanh" if approximate == "none" else "none")
+    assert not torch.equal(got[0], other[0])
+    torch_npu_standin.calls.clear()
+    scale, offset = torch.tensor([0.02]), torch.tensor([-3.0])
+    y = npu.gelu_quant(x, scale, offset, None, approximate)
+    assert torch_npu_standin.calls == ["npu_gelu", "npu_quantize"]
+    assert torch.equal(y, OPS["gelu_quant"].golden(x, scale, offset, None, approximate))
+
+
+@pytest.mark.parametrize("chip,dtype,args,reason", [
+    ("Ascend910_9391", torch.bfloat16, {}, "npu_gelu: Ascend910_9391 is not among its page's products"),
+    ("Ascend310P3", torch.bfloat16, {}, "npu_gelu: dtype bfloat16 not supported on inference chips"),
+    ("Ascend310P3", torch.float16, {}, "npu_dynamic_quant: supported on Atlas A2/A3 chips only"),
+    ("Ascend910B2", torch.float32, {}, "dtype float32 not supported by npu_dynamic_quant"),
+    ("Ascend910B2", torch.bfloat16, {"smooth": torch.float32}, "smooth_scales float32 with x bfloat16"),
+    ("Ascend910B2", torch.bfloat16, {"shape": (1,) * 8 + (8,)}, "npu_gelu: rank 9 > 8"),
+])
+def test_gelu_quant_limits_are_npu_gelus_and_the_quant_calls(npu, monkeypatch, chip, dtype, args, reason):
+    """Declined where npu_gelu's page or the quant call's does not document the call, before it is made; the stand-in
+    refuses the same call."""
+    monkeypatch.setattr(torch_npu_standin, "DEVICE_NAME", chip)
+    npu = Npu(NpuBackend(module_name="torch_npu_standin"))
+    x = torch.randn(args.get("shape", (4, 8))).to(dtype)
+    smooth = torch.ones(8, dtype=args["smooth"]) if "smooth" in args else None
+    got = npu.supports("gelu_dynamic_quant", x, smooth, "tanh", "int8")
+    assert got is not None and reason in got, got
+    with pytest.raises(RuntimeError):
+        npu.gelu_dynamic_quant(x, smooth, "tanh", "int8")

@@ -302,6 +302,19 @@ def npu_swiglu(input, dim=-1):
     return OPS["swiglu"].golden(a, b, "fp32")  # computed in fp32, rounded once
 
 
+def npu_gelu(input, approximate="none"):
+    """torch_npu-npu_gelu.md: GELU in the form asked for ('none': erf, 'tanh'), the output in input's dtype; input
+    up to 8 dims; Atlas A2 fp32/fp16/bf16, the training and inference series fp16/fp32 (Atlas A3 is not on its
+    page)."""
+    calls.append("npu_gelu")
+    _check(not DEVICE_NAME.startswith(("Ascend910_93", "Ascend950")), f"npu_gelu: {DEVICE_NAME} is not on its page")
+    _check(input is not None and input.dim() <= 8, "npu_gelu: input must be a tensor of at most 8 dims")
+    dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if _a2_a3() else ())
+    _check(input.dtype in dtypes, f"npu_gelu: dtype {input.dtype}")
+    _check(approximate in ("none", "tanh"), f"npu_gelu: approximate {approximate!r}; expected 'none' or 'tanh'")
+    return torch.nn.functional.gelu(input.float(), approximate=approximate).to(input.dtype)
+
+
 def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None):
     """The documented formula: scale = rowMax(|x * smooth|) / DTYPE_MAX, y = round(x * smooth / scale)."""
     calls.append("npu_dynamic_quant")

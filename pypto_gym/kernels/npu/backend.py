@@ -143,8 +143,12 @@ class NpuBackend(Backend):
         return None
 
     @functools.lru_cache(maxsize=16)
+    def device_name(self, device_index) -> str:
+        """The chip's name without spaces ('Ascend910B2', 'Ascend910_9391'): for a page that lists A2 and not A3."""
+        return self.torch_npu().npu.get_device_name(device_index).replace(" ", "")
+
     def series(self, device_index) -> str:
-        return chip_series(self.torch_npu().npu.get_device_name(device_index))
+        return chip_series(self.device_name(device_index))
 
     def series_of(self, t: torch.Tensor) -> str:
         return self.series(t.device.index)

@@ -12,7 +12,7 @@ from ...ops.quantize import unpack_int4_from_int32
 from .backend import as_rows, quant_limits
 
 
-def _npu_supports(backend, x, smooth_scales, dst_type):
+def npu_dynamic_quant_supports(backend, x, smooth_scales, dst_type):
     name = "npu_dynamic_quant"
     if x.dim() < 2:
         return f"{name}: x must have more than one dim, got {x.dim()}"
@@ -24,8 +24,8 @@ def _npu_supports(backend, x, smooth_scales, dst_type):
     return None
 
 
-@DYNAMIC_QUANT.impl("npu", supports=_npu_supports)
-def _(backend, x, smooth_scales, dst_type):
+@DYNAMIC_QUANT.impl("npu", supports=npu_dynamic_quant_supports)
+def npu_dynamic_quant(backend, x, smooth_scales, dst_type):
     smooth = None if smooth_scales is None else smooth_scales.reshape(x.shape[-1])
     y, scale = backend.torch_npu().npu_dynamic_quant(as_rows(x), smooth_scales=smooth,
                                                      dst_type=torch.quint4x2 if dst_type == "int4" else torch.int8)

@@ -14,14 +14,14 @@ from .norm_quant import npu_static_params, npu_static_supports
 NAME = "npu_quantize"
 
 
-def _npu_supports(backend, x, scale, offset, smooth_scales):
+def npu_quantize_supports(backend, x, scale, offset, smooth_scales):
     if smooth_scales is not None:
         return (f"{NAME} has no smooth scale (a checkpoint folds it into the source's weights); smooth_scales "
                 f"{dtype_name(smooth_scales.dtype)} given")
     return npu_static_supports(NAME, backend, x, scale, offset)
 
 
-@STATIC_QUANT.impl("npu", supports=_npu_supports)
-def _(backend, x, scale, offset, smooth_scales):
+@STATIC_QUANT.impl("npu", supports=npu_quantize_supports)
+def npu_quantize(backend, x, scale, offset, smooth_scales):
     scales, zeros = npu_static_params(NAME, x, scale, offset)
     return backend.torch_npu().npu_quantize(x, scales, zeros, torch.qint8, -1, True)

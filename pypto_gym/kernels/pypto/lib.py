@@ -2,7 +2,8 @@
 
 PyPTO's frontend inlines these calls into the kernel it traces (so they import nothing: its parser
 takes no imports). The math follows each op's golden: `norm` is SPEC 2.1 in each cast mode,
-`quantise` the per-row symmetric quantisation, `rotate` and `merged_angles` the rotary embedding.
+`quantise` the per-row symmetric quantisation, `gelu` both GELU forms, `rotate` and `merged_angles`
+the rotary embedding.
 """
 import pypto
 
@@ -47,6 +48,21 @@ def quantise_static(n, scale, offset):
     [1, D] fp32 rows; rounded in fp32 before the integer cast (via fp16, exact for |q| <= 128)."""
     q = pypto.clip(pypto.round(n / scale + offset), -128.0, 127.0)
     return pypto.cast(pypto.cast(q, pypto.DT_FP16), pypto.DT_INT8)
+
+
+def gelu(x, tanh_form):
+    """GELU of an fp32 tile in the form asked. tanh: x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), which is
+    0.5 x (1 + tanh u) exactly in real arithmetic (PyPTO 0.2.0 has sigmoid, no tanh). erf: 0.5 x (1 + erf(x / sqrt 2))
+    with erf by Abramowitz-Stegun 7.1.26 from exp (|error| < 1.5e-7, the polynomial torch's CPU kernel uses; PyPTO
+    has no erf): erfc(|z|) = (p1 t + ... + p5 t^5) exp(-z^2), t = 1 / (1 + p |z|); by z's sign, not copysign (SIM's
+    cost model has no pipe for COPYSIGN)."""
+    if tanh_form == 1:
+        return x * pypto.sigmoid((x + x * x * x * 0.044715) * 1.5957691216057308)
+    z = x * 0.7071067811865476
+    t = pypto.reciprocal(pypto.abs(z) * 0.3275911 + 1.0)
+    r = (((t * 1.061405429 + -1.453152027) * t + 1.421413741) * t + -0.284496736) * t + 0.254829592
+    h = x * 0.5 * (r * t * pypto.exp(pypto.neg(z * z)))  # 0.5 x erfc(|z|)
+    return pypto.where(pypto.ge(x, 0.0), x - h, h)  # x - h where erf(z) = 1 - erfc(|z|), else h
 
 
 def quant_input(x, g, beta, eps, inv_d):

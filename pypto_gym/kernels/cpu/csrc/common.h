@@ -90,6 +90,10 @@ inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
 // reaches its sum through vexp).
 inline V vmaxf(V a, V b) { return _mm512_max_ps(a, b); }
 inline V vabs(V a) { return _mm512_abs_ps(a); }
+inline V vcopysign(V mag, V sgn) {  // |mag| with sgn's sign bit
+  const V m = _mm512_set1_ps(-0.0f);
+  return _mm512_or_ps(_mm512_andnot_ps(m, mag), _mm512_and_ps(m, sgn));
+}
 inline float vhmax(V a) { return _mm512_reduce_max_ps(a); }
 // quantisation: round half to even, NaN lanes to 0, bits of the NaN lanes, saturating int32 -> int8 store
 inline V vminf(V a, V b) { return _mm512_min_ps(a, b); }
@@ -193,6 +197,10 @@ inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
 inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
 inline V vmaxf(V a, V b) { return _mm256_max_ps(a, b); }
 inline V vabs(V a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+inline V vcopysign(V mag, V sgn) {  // |mag| with sgn's sign bit
+  const V m = _mm256_set1_ps(-0.0f);
+  return _mm256_or_ps(_mm256_andnot_ps(m, mag), _mm256_and_ps(m, sgn));
+}
 inline float vhmax(V a) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
