@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import pypto_gym
+from pypto_gym import ops
 
 from models import qwen3_vl_inputs, tiny_qwen3_vl
 
@@ -151,9 +152,9 @@ def _linear_count(model) -> tuple[int, int]:
 
 def test_w8a8_runs_every_linear_but_lm_head_int8(quantised):
     """Dynamic W8A8 of the tiny Qwen3-VL: every decoder linear int8, its norms and MLPs handing over int8 rows (the
-    DeepStack adds between the first layers included); every vision linear int8 too, each quantising its own input
-    (its LayerNorms and GELUs hand over none), the GELU MLP sites (blocks and mergers) running their module's int8
-    linears, counted as bypasses; lm_head float; logits close to the float model's."""
+    DeepStack adds between the first layers included); every vision linear int8 too: each linear_fc2 reading the int8
+    rows its GELU MLP site's gelu_dynamic_quant hands over (blocks and mergers, every call), the others quantising
+    their own input (the LayerNorms hand over none); lm_head float; logits close to the float model's."""
     family, model, _, _, want, got, q = quantised
     text_count, vision_count = _linear_count(model)
     text = [r for r in q["linears"] if ".language_model." in r["path"]]
@@ -163,17 +164,48 @@ def test_w8a8_runs_every_linear_but_lm_head_int8(quantised):
     assert [r["path"] for r in q["linears"] if r["became"] != "w8a8"] == ["lm_head"]
     for r in text + vision:
         fed = r["input"].startswith("int8 rows from")
-        assert fed == (r in text and not r["path"].endswith("o_proj")), r
+        assert fed == (r in text and not r["path"].endswith("o_proj") or r["path"].endswith("linear_fc2")), r
         assert r["calls"] >= 1 and (r["handed_over"] if fed else r["quantized_here"]) == r["calls"], r
     sites = pypto_gym.patch_report(model).to_json()["sites"]
     blocks = [r for r in sites if r["kind"] == "vision.gelu_mlp" and r["status"] == "patched"]  # and the mergers'
     vc = model.config.vision_config
     assert len(blocks) == vc.depth + 1 + len(vc.deepstack_visual_indexes)
-    bypass = "fc1 is an int8 linear (W8A8): the module's forward runs it"
-    assert all(list(r["fusion_bypassed"]) == [bypass] and r["fusion_bypassed"][bypass] >= 1 and r["calls"] == 0
-               for r in blocks), blocks
+    assert all(r["quant"]["int8_to"] == [f"{r['path']}.linear_fc2"] and not r["quant"]["bypassed"]
+               and not r["fusion_bypassed"] and r["calls"] == r["ran_on"]["cpu"] >= 1 for r in blocks), blocks
     cos = torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1))
     assert float(cos.min()) > 0.99, float(cos.min())
+
+
+def test_each_gelu_mlp_quantises_its_own_gelu_form_for_fc2(quantised, monkeypatch):
+    """The W8A8 GELU MLP sites call gelu_dynamic_quant in the form their module computes (the blocks' act_fn is HF's
+    gelu_pytorch_tanh, the mergers' nn.GELU() erf) on fc1's output, and fc2 reads exactly those codes (a hook on fc2
+    sees the float rows they stand for)."""
+    from pypto_gym.quant import gelu_mlp
+
+    _, model, *_ = quantised
+    calls, run = [], ops.gelu_dynamic_quant
+
+    def spy(h, smooth, **kw):
+        out = run(h, smooth, **kw)
+        calls.append((h, kw["approximate"], out))
+        return out
+
+    monkeypatch.setattr(gelu_mlp.ops, "gelu_dynamic_quant", spy, raising=False)
+    for path, form in (("model.visual.blocks.0.mlp", "tanh"), ("model.visual.merger", "none"),
+                       ("model.visual.deepstack_merger_list.0", "none")):
+        mlp = model.get_submodule(path)
+        site = mlp.__dict__["_pypto_gym_site"]
+        seen = []
+        hook = site.fc2.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+        x = torch.randn(8, site.norm_width or site.fc1.in_features)
+        with torch.no_grad():
+            mlp(x)
+        hook.remove()
+        (h, approximate, (q, scale)), = calls
+        calls.clear()
+        assert approximate == form and torch.equal(seen[0], (q.float() * scale.unsqueeze(-1)).to(h.dtype)), path
+        want = torch.nn.functional.gelu(h, approximate=form)
+        assert torch.equal(ops.dynamic_quant(want, backend="torch")[0], q), path
 
 
 def test_both_export_formats_load_back_bit_for_bit(quantised, tmp_path):
@@ -226,8 +258,9 @@ def test_each_vision_fold_source_writes_the_channels_the_table_says():
 
 
 def test_calibrated_static_w8a8_exports_bit_for_bit_with_the_vision_tower_int8(tmp_path):
-    """`calibrate` then static W8A8 (msModelSlim's scheme): every vision linear int8 under its static scale, the
-    smooth scales folded where the table says (a LayerNorm's weight and bias: norm1 for qkv); both formats load back
+    """`calibrate` then static W8A8 (msModelSlim's scheme): every vision linear int8 under its static scale (each
+    linear_fc2 reading gelu_quant's rows under its own calibrated scale and offset), the smooth scales folded where
+    the table says (a LayerNorm's weight and bias: norm1 for qkv); both formats load back
     with the model's logits bit for bit and transformers loads the compressed-tensors export."""
     import transformers
     from safetensors.torch import load_file
@@ -255,6 +288,11 @@ def test_calibrated_static_w8a8_exports_bit_for_bit_with_the_vision_tower_int8(t
     assert float(torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1)).min()) > 0.99
     qkv = quant_linear_of(model.get_submodule("model.visual.blocks.0.attn.qkv"))
     assert qkv.static is not None and qkv.inv_smooth is not None
+    ran = pypto_gym.patch_report(model).to_json()["w8a8"]["linears"]
+    fc2 = [r for r in ran if r["path"].startswith("model.visual.") and r["path"].endswith("linear_fc2")]
+    assert len(fc2) == 7 and all(r["handed_over"] == r["calls"] >= 1 for r in fc2), fc2  # gelu_quant's rows
+    assert all(r["quant"]["static"] for r in pypto_gym.patch_report(model).to_json()["sites"]
+               if r["kind"] == "vision.gelu_mlp")
     for fmt in export.FORMATS:
         export.save(model, tmp_path / fmt, processor, fmt)
         (weights,) = (tmp_path / fmt).glob("*.safetensors")  # one file (msModelSlim names it its own way)

@@ -14,6 +14,7 @@ from ..patching.rules.layer_norm import LayerNormSite
 from ..patching.rules.mlp import MlpSite
 from ..patching.rules.norm import NormSite
 from ..patching.site import SLOT
+from .gelu_mlp import QuantGeluMlp
 from .linear import QuantLinear, quant_linear_of
 from .mlp import QuantMlp
 from .plan import Plan, decide
@@ -27,6 +28,7 @@ class QuantPlan:
         self.sites = plan.sites
         self.norms: dict = {}  # site path -> QuantNorm
         self.mlps: dict = {}  # site path -> QuantMlp
+        self.gelu_mlps: dict = {}  # site path -> QuantGeluMlp
         self.linears: list[QuantLinear] = []
         self.folded_norms: list = []  # float norm sites holding a static consumer's smooth scale (weight_fold)
         self.float_linears: list[dict] = []
@@ -64,7 +66,7 @@ class QuantPlan:
         return {"mode": "w8a8" if self.scheme == "dynamic" else "w8a8_static", "scheme": self.scheme,
                 "calibration": self.calibration, "recipe": self.recipe, "smoothing": self.calibration is not None,
                 "summary": {"linears": len(rows), "int8": len(q), "float": len(rows) - len(q),
-                            "quant_norms": len(self.norms), "quant_mlps": len(self.mlps),
+                            "quant_norms": len(self.norms), "quant_mlps": len(self.mlps) + len(self.gelu_mlps),
                             "handed_over": sum(r["handed_over"] for r in q),
                             "quantized_here": sum(r["quantized_here"] for r in q),
                             "fallbacks": sum(sum(r["fallbacks"].values()) for r in q),
@@ -95,7 +97,8 @@ def apply(model, plan: Plan) -> QuantPlan:
         for p in plan.producers:
             producer = p.kind(p.inv_smooth, p.static)
             p.site.quant = producer
-            (done.mlps if p.kind is QuantMlp else done.norms)[p.site.path] = producer
+            kinds = {QuantMlp: done.mlps, QuantGeluMlp: done.gelu_mlps}
+            kinds.get(p.kind, done.norms)[p.site.path] = producer
             for path, linear in p.linears:
                 _add(done, path, linear, producer, backend, p.why)
         for p in plan.producers:  # an MLP whose gate and up read one norm's rows: one int32 GEMM over both weights

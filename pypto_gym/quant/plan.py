@@ -2,8 +2,9 @@
 
 Producers of int8 rows: the norms, whose consumers are named per model family (models/<family>.py,
 w8a8_linears), each name checked against the model (an nn.Linear whose in_features is the norm's D;
-a norm none of whose linears is found stays a float norm, with the reason in the report); and the
-patched SwiGLU MLPs, whose down_proj reads the fused swiglu + quant's rows. The linears whose input
+a norm none of whose linears is found stays a float norm, with the reason in the report); the
+patched SwiGLU MLPs, whose down_proj reads the fused swiglu + quant's rows; and the patched GELU MLPs
+(Qwen3-VL's vision tower), whose int8 fc2 reads the fused gelu + quant's rows. The linears whose input
 no fused op produces (o_proj, the vision attn.proj, the merger's linears, Qwen3-VL's whole vision tower:
 w8a8_own_input) quantise it themselves with `dynamic_quant`, smoothed by their own calibrated scale (where it can
 fold into a checkpoint: quant/fold.py), in the parts of the model (text, vision) that have patched norms (RMS or
@@ -30,6 +31,7 @@ from ..patching.rules.layer_norm import LayerNormSite
 from ..patching.rules.mlp import MlpSite
 from ..patching.rules.norm import NormSite
 from . import calibration
+from .gelu_mlp import QuantGeluMlp
 from .linear import STORED_STATIC, linear_kind
 from .mlp import QuantMlp
 from .norm import QuantNorm
@@ -54,7 +56,7 @@ class Producer:
 
     site: object
     linears: list  # [(path, nn.Linear)] reading its rows
-    kind: type  # QuantNorm or QuantMlp
+    kind: type  # QuantNorm, QuantMlp or QuantGeluMlp
     why: str  # what the report says of its linears' input
     inv_smooth: torch.Tensor | None = None  # 1 / smooth scale, in the row dtype, on the linears' device
     static: tuple | None = None  # static scheme: (scale, offset) in the model dtype
@@ -214,7 +216,20 @@ def decide(model, state, scheme: str = "dynamic") -> Plan:
         else:
             plan.own.append(OwnInput(path, linear, "quantised per row here (dynamic_quant: no fused op produces its "
                                                    "input)", inv))
+    _gelu_producers(plan, state)
     return plan
+
+
+def _gelu_producers(plan, state) -> None:
+    """An int8 fc2 of a patched GELU MLP reads its site's rows (the GELU's output quantised in the op computing it)
+    instead of quantising its input itself: the same scale and offset (calibrated under fc2's path), one pass less."""
+    fc2_of = {id(s.fc2): s for s in state.sites if isinstance(s, GeluMlpSite)}
+    for o in [o for o in plan.own if id(o.linear) in fc2_of]:
+        site = fc2_of[id(o.linear)]
+        plan.own.remove(o)
+        plan.producers.append(Producer(site, [(o.path, o.linear)], QuantGeluMlp,
+                                       f"int8 rows from {site.path} (fused gelu + quant)", o.inv_smooth, o.static))
+        plan.sites.append(site)
 
 
 def _static_of(path, ranges, inv, found):

@@ -51,7 +51,9 @@ def groups_of(model, scheme: str, calib_file) -> list[Group]:
         out = []
         for key, producer in [*plan.norms.items(), *plan.mlps.items()]:
             out.append(Group(key, list(producer.consumers), 0, part(key) == "text"))
-        out += [Group(ql.path, [ql.path], 0, part(ql.path) == "text") for ql in plan.linears if ql.source is None]
+        gelu_fed = {p for producer in plan.gelu_mlps.values() for p in producer.consumers}  # keyed by fc2's path
+        out += [Group(ql.path, [ql.path], 0, part(ql.path) == "text") for ql in plan.linears
+                if ql.source is None or ql.path in gelu_fed]
         sizes = {ql.path: ql.module.weight.numel() * ql.module.weight.element_size() for ql in plan.linears}
     for g in out:
         g.bytes = sum(sizes[p] for p in g.paths)

@@ -9,12 +9,16 @@ the norm's width) viewed as rows of fc1's width)))` (the merger's regrouping of 
 after its norm) in the erf or the tanh form. The form is named where the two differ far beyond bf16's rounding: the
 activation module alone on inputs over [-4, 4] (`act_fn`), else the MLP's input scaled so fc1's output spreads that
 wide; a forward that matches both forms (the probe could not tell them apart) or neither, QuickGELU (Qwen2-VL's
-vision MLP: no such oneDNN epilogue) and a forward that runs more layers are skipped with the reason. The site calls
+vision MLP: no such oneDNN epilogue) and a forward that runs more layers are skipped with the reason. With fc1 on the
+meta device (an int8 checkpoint's linears hold no float weight: export.load) the forward cannot run: the form is the
+activation module's alone, as the SwiGLU rule names SiLU by act_fn. The site calls
 the norm as a module (its own site, if patched), `linear` with the activation on fc1's own weight and bias, then the
 module's fc2 (its hooks stay; its bias in the GEMM's epilogue on the cpu backend, gemm.py). Only the `cpu` backend has
 the fused kernel; the `torch` backend runs the golden (HF's two roundings, bit-identical); on the NPU and PyPTO
 backends the site is skipped with the reason (no documented linear + GELU call: `npu_ffn`'s "gelu" does not say erf or
-tanh), the module's own kernels run. Under W8A8 (int8 fc1 and fc2) the module's forward runs them, counted.
+tanh), the module's own kernels run. Under W8A8 the site's quant half (quant/gelu_mlp.py) runs fc1, then the GELU and
+the quantisation of its output as one op for an int8 fc2; an int8 fc1 whose fc2 stays float runs in the module's
+forward, counted.
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ def _norm_width(norm) -> int | None:
     return int(w.shape[-1]) if isinstance(w, torch.Tensor) and w.dim() == 1 else None
 
 
-def _regrouped(norm, width: int, x, fc1):
+def regrouped(norm, width: int, x, fc1):
     """A patch merger's input to fc1: its norm over rows of the norm's `width`, regrouped into rows of fc1's."""
     return norm(x.reshape(-1, width)).reshape(-1, fc1.in_features)
 
@@ -80,7 +84,7 @@ def _probe(module, fc1, fc2, norm=None, act=None) -> tuple[str, str]:
             if spread > 0 and not named:
                 x = (x.float() * (PROBE_SPREAD / spread)).to(w.dtype)
             got = module.forward(x)
-            h = fc1(x if norm is None else _regrouped(norm, width, x, fc1))
+            h = fc1(x if norm is None else regrouped(norm, width, x, fc1))
             forms = {"gelu_tanh": fc2(F.gelu(h, approximate="tanh")), "gelu": fc2(F.gelu(h))}
             quick = fc2(h * torch.sigmoid(1.702 * h))
     except Exception as e:  # noqa: BLE001 - a module that cannot run on this input is not an MLP site
@@ -110,11 +114,13 @@ class GeluMlpSite(Site):
         self.fc1, self.fc2 = _linears(cand.module)
         self.norm = cand.info["norm"]  # a patch merger's norm (run as a module, before the regrouping), or None
         self.norm_width = None if self.norm is None else _norm_width(self.norm)
+        self.act = cand.info["act"]  # the activation module (HF's act_fn, nn.GELU()), if the MLP has one
         self.call = LINEAR.bind(options.backend, self.stats, activation=self.activation)
+        self.quant = None  # W8A8 (pypto_gym.quant): the GELU's output quantised in its kernel for an int8 fc2
 
     def details(self) -> dict:
         return {**weight_details(self.fc1.weight), "activation": self.activation, "norm_first": self.norm is not None,
-                "fusion_bypassed": dict(self.bypassed)}
+                "fusion_bypassed": dict(self.bypassed), "quant": None if self.quant is None else self.quant.row()}
 
 
 def gelu_mlp_forward(module, x):
@@ -122,6 +128,8 @@ def gelu_mlp_forward(module, x):
     site = module.__dict__["_pypto_gym_site"]
     if not _STATE.enabled:
         return site.original(x)
+    if site.quant is not None:
+        return site.quant.forward(site, module, x)
     if has_hooks(site.fc1):
         site.bypass("fc1 has hooks")
         return site.original(x)
@@ -129,7 +137,7 @@ def gelu_mlp_forward(module, x):
         site.bypass("fc1 is an int8 linear (W8A8): the module's forward runs it")
         return site.original(x)
     if site.norm is not None:
-        x = _regrouped(site.norm, site.norm_width, x, site.fc1)
+        x = regrouped(site.norm, site.norm_width, x, site.fc1)
     return site.fc2(site.call(x, site.fc1.weight, site.fc1.bias))
 
 
@@ -147,7 +155,8 @@ class GeluMlpRule(Rule):
         pair = _linears(module)
         if pair is None:
             return None
-        cand = Candidate(self, path, module, self.kind_of(path, module), info={"activation": None, "norm": None})
+        cand = Candidate(self, path, module, self.kind_of(path, module), info={"activation": None, "norm": None,
+                                                                                "act": None})
         backend = getattr(options, "backend", "auto")
         if backend not in FUSED_ON or (backend == "auto" and pair[0].weight.device.type != "cpu"):
             cand.reason = (f"no fused linear + GELU on the {backend if backend != 'auto' else 'NPU'} backend (no "
@@ -160,8 +169,14 @@ class GeluMlpRule(Rule):
             cand.reason = f"its forward runs more layers than fc1 and fc2 ({', '.join(others)}): not one MLP"
             return cand
         acts = [child for child in module.children() if not any(True for _ in child.parameters())]
-        cand.info["norm"] = norm
-        cand.info["activation"], cand.reason = _probe(module, *pair, norm, acts[0] if len(acts) == 1 else None)
+        cand.info["norm"], cand.info["act"] = norm, acts[0] if len(acts) == 1 else None
+        if pair[0].weight.is_meta and getattr(pair[0], "_hf_hook", None) is None:
+            # no weights to run (an int8 checkpoint's linears: export.load): the form from the activation module alone
+            cand.info["activation"] = "" if cand.info["act"] is None else _activation_form(cand.info["act"])
+            if not cand.info["activation"]:
+                cand.reason = "meta device: no activation module that computes a GELU form on its own to read"
+            return cand
+        cand.info["activation"], cand.reason = _probe(module, *pair, norm, cand.info["act"])
         return cand
 
     def skipped_details(self, cand):
