@@ -823,3 +823,19 @@ def test_gelu_quant_limits_are_npu_gelus_and_the_quant_calls(npu, monkeypatch, c
     assert got is not None and reason in got, got
     with pytest.raises(RuntimeError):
         npu.gelu_dynamic_quant(x, smooth, "tanh", "int8")
+
+
+@pytest.mark.parametrize("activation,approximate", [("gelu", "none"), ("gelu_tanh", "tanh")])
+def test_a_gelu_mlps_linear_is_f_linear_then_npu_gelu_in_the_form_asked(npu, activation, approximate):
+    """The linear op with a GELU on the NPU: F.linear, then npu_gelu with `approximate` passed (torch's own gelu there
+    computes the tanh form whatever it is asked: npu_gelu's page); the golden's values, not the other form's."""
+    torch.manual_seed(1)
+    x, w, b = torch.randn(6, 64, dtype=torch.bfloat16), torch.randn(96, 64, dtype=torch.bfloat16) / 4, \
+        torch.randn(96, dtype=torch.bfloat16)
+    got = npu.linear(x, w, b, activation)
+    assert torch_npu_standin.calls == ["npu_gelu"]
+    assert torch.equal(got, OPS["linear"].golden(x, w, b, activation))
+    other = OPS["linear"].golden(x, w, b, "gelu_tanh" if activation == "gelu" else "gelu")
+    assert not torch.equal(got, other)
+    assert npu.supports("linear", x, w, b, "none") is None and torch.equal(npu.linear(x, w, b, "none"),
+                                                                            torch.nn.functional.linear(x, w, b))

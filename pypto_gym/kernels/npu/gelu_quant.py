@@ -34,7 +34,7 @@ def npu_gelu_supports(backend, x) -> str | None:
     return None
 
 
-def _gelu(backend, x, approximate):
+def npu_gelu(backend, x, approximate):
     return backend.torch_npu().npu_gelu(x, approximate=approximate)
 
 
@@ -42,10 +42,10 @@ def _gelu(backend, x, approximate):
                          npu_gelu_supports(backend, x) or npu_dynamic_quant_supports(backend, x, smooth_scales,
                                                                                      dst_type))
 def _(backend, x, smooth_scales, approximate, dst_type):
-    return npu_dynamic_quant(backend, _gelu(backend, x, approximate), smooth_scales, dst_type)
+    return npu_dynamic_quant(backend, npu_gelu(backend, x, approximate), smooth_scales, dst_type)
 
 
 @GELU_QUANT.impl("npu", supports=lambda backend, x, scale, offset, smooth_scales, approximate:
                  npu_gelu_supports(backend, x) or npu_quantize_supports(backend, x, scale, offset, smooth_scales))
 def _(backend, x, scale, offset, smooth_scales, approximate):
-    return npu_quantize(backend, _gelu(backend, x, approximate), scale, offset, smooth_scales)
+    return npu_quantize(backend, npu_gelu(backend, x, approximate), scale, offset, smooth_scales)

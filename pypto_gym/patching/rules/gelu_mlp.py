@@ -14,9 +14,10 @@ meta device (an int8 checkpoint's linears hold no float weight: export.load) the
 activation module's alone, as the SwiGLU rule names SiLU by act_fn. The site calls
 the norm as a module (its own site, if patched), `linear` with the activation on fc1's own weight and bias, then the
 module's fc2 (its hooks stay; its bias in the GEMM's epilogue on the cpu backend, gemm.py). Only the `cpu` backend has
-the fused kernel; the `torch` backend runs the golden (HF's two roundings, bit-identical); on the NPU and PyPTO
-backends the site is skipped with the reason (no documented linear + GELU call: `npu_ffn`'s "gelu" does not say erf or
-tanh), the module's own kernels run. Under W8A8 the site's quant half (quant/gelu_mlp.py) runs fc1, then the GELU and
+the fused kernel; the `torch` backend runs the golden (HF's two roundings, bit-identical); the `npu` backend runs
+F.linear then torch_npu.npu_gelu in the module's form (kernels/npu/linear.py: torch's own gelu on an NPU computes the
+tanh form whatever it is asked, so there the site is what computes a merger's erf GELU as the model asks); on PyPTO
+the site is skipped with the reason (no linear kernel), the module's own kernels run. Under W8A8 the site's quant half (quant/gelu_mlp.py) runs fc1, then the GELU and
 the quantisation of its output as one op for an int8 fc2; an int8 fc1 whose fc2 stays float runs in the module's
 forward, counted.
 """
@@ -31,7 +32,7 @@ from ..site import Candidate, Rule, Site, has_hooks, probe_failed, register, tor
 
 _STATE = config.STATE
 NAMES = (("linear_fc1", "linear_fc2"), ("fc1", "fc2"))
-FUSED_ON = ("cpu", "torch", "auto")  # where the site runs: the fused kernel (cpu) or the golden (torch)
+RUNS_ON = ("cpu", "torch", "npu", "auto")  # the fused kernel (cpu), the golden (torch), F.linear + npu_gelu (npu)
 PROBE_SPREAD = 2.0  # the GELU input's std in the probe
 
 
@@ -158,9 +159,9 @@ class GeluMlpRule(Rule):
         cand = Candidate(self, path, module, self.kind_of(path, module), info={"activation": None, "norm": None,
                                                                                 "act": None})
         backend = getattr(options, "backend", "auto")
-        if backend not in FUSED_ON or (backend == "auto" and pair[0].weight.device.type != "cpu"):
-            cand.reason = (f"no fused linear + GELU on the {backend if backend != 'auto' else 'NPU'} backend (no "
-                           f"documented call: npu_ffn's 'gelu' does not say erf or tanh); the module's kernels run")
+        if backend not in RUNS_ON or (backend == "auto" and pair[0].weight.device.type not in ("cpu", "npu")):
+            where = f"the {backend} backend" if backend != "auto" else f"{pair[0].weight.device.type} tensors"
+            cand.reason = f"no linear + GELU for {where} (the cpu, torch and npu backends have one); the module's kernels run"
             return cand
         others = [name for name, child in module.named_children()
                   if child not in pair and any(True for _ in child.parameters())]
