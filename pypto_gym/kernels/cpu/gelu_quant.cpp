@@ -80,22 +80,12 @@ void gelu_rows(const char* op, const at::Tensor& x_in, const c10::optional<at::T
   at::Tensor smooth;
   if (smooth_in.has_value()) smooth = smooth_in->reshape({D}).to(at::kFloat).contiguous();
   const float* sp = smooth.defined() ? smooth.data_ptr<float>() : nullptr;
-  const int64_t R = x.numel() / D;
-  dispatch_dtype(x.scalar_type(), [&](auto xt) {
-    using X = decltype(xt);
-    using T = typename X::T;
-    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-    at::parallel_for(0, R, grain_for(D), [&](int64_t begin, int64_t end) {
-      std::unique_ptr<float[]> n(new float[D]);
-      for (int64_t r = begin; r < end; ++r) {
-        if (tanh_form)
-          gelu_row_f32<X, true>(xp + r * D, sp, n.get(), D);
-        else
-          gelu_row_f32<X, false>(xp + r * D, sp, n.get(), D);
-        emit(r, n.get(), D);
-      }
-    });
-  });
+  scratch_rows(x, [&](auto xt, const auto* xr, float* n, int64_t d) {
+    if (tanh_form)
+      gelu_row_f32<decltype(xt), true>(xr, sp, n, d);
+    else
+      gelu_row_f32<decltype(xt), false>(xr, sp, n, d);
+  }, emit);
 }
 
 std::vector<at::Tensor> gelu_dynamic_quant_entry(const at::Tensor& x, const c10::optional<at::Tensor>& smooth,

@@ -518,32 +518,38 @@ void dispatch_dtype(at::ScalarType t, F&& f) {
 }
 
 
-// Each row of a contiguous x as fp32 (times the fp32 smooth scale per channel, if given) handed to emit(row, values,
-// D) from a per-thread scratch row: what the quant ops of a linear's input quantise (dynamic_quant per row,
-// static_quant under one scale).
-template <class Emit>
-void smoothed_rows(const at::Tensor& x, const float* sp, Emit emit) {
+// Each row of a contiguous x turned into fp32 values by fill(X{}, row, values, D) in a per-thread scratch row, then
+// handed to emit(row index, values, D): what the quant ops quantise (a linear's input, smoothed; a GELU's output).
+template <class Fill, class Emit>
+void scratch_rows(const at::Tensor& x, Fill fill, Emit emit) {
   const int64_t D = x.size(-1), R = x.numel() / D;
   dispatch_dtype(x.scalar_type(), [&](auto xt) {
-    using X = decltype(xt);
-    using T = typename X::T;
+    using T = typename decltype(xt)::T;
     const T* xp = reinterpret_cast<const T*>(x.data_ptr());
     at::parallel_for(0, R, grain_for(D), [&](int64_t begin, int64_t end) {
       std::unique_ptr<float[]> n(new float[D]);
       for (int64_t r = begin; r < end; ++r) {
-        const T* xr = xp + r * D;
-        int64_t i = 0;
-#ifdef PG_SIMD
-        for (; i + W <= D; i += W) {
-          const V v = vload<X>(xr + i);
-          vstore<F32>(n.get() + i, sp ? vmul(v, vload<F32>(sp + i)) : v);
-        }
-#endif
-        for (; i < D; ++i) n[i] = sp ? X::load(xr[i]) * sp[i] : X::load(xr[i]);
+        fill(xt, xp + r * D, n.get(), D);
         emit(r, n.get(), D);
       }
     });
   });
+}
+
+// x as fp32, times the fp32 smooth scale per channel if given (dynamic_quant per row, static_quant under one scale)
+template <class Emit>
+void smoothed_rows(const at::Tensor& x, const float* sp, Emit emit) {
+  scratch_rows(x, [&](auto xt, const auto* xr, float* n, int64_t D) {
+    using X = decltype(xt);
+    int64_t i = 0;
+#ifdef PG_SIMD
+    for (; i + W <= D; i += W) {
+      const V v = vload<X>(xr + i);
+      vstore<F32>(n + i, sp ? vmul(v, vload<F32>(sp + i)) : v);
+    }
+#endif
+    for (; i < D; ++i) n[i] = sp ? X::load(xr[i]) * sp[i] : X::load(xr[i]);
+  }, emit);
 }
 
 }  // namespace
