@@ -181,12 +181,14 @@ def test_gelu_quant_ops_propagate_nan_and_inf_like_the_reference(kernel, dtype, 
     """A NaN, +inf or -inf in a row makes its scale non-finite and its codes 0, as the golden's; the other rows'
     codes and scales are the golden's, on the vector path and the scalar tail (D = 40: 32 + 8 or 16 + 16 + 8). (At
     +inf torch's erf GELU is NaN through oneDNN, inf through its own kernel: the scale is NaN or inf, not finite.)"""
-    x = (3 * torch.randn(5, 40)).to(dtype)
+    x = (3 * torch.randn(5, 40, generator=torch.Generator().manual_seed(0))).to(dtype)
     x[0, 3], x[1, 37], x[2, 5], x[3, 36] = float("nan"), float("nan"), float("inf"), float("-inf")
     y, s = run("gelu_dynamic_quant", kernel, x, approximate=approximate)
     gy, gs = GOLDEN["gelu_dynamic_quant"](x, None, approximate)
     assert torch.equal(torch.isfinite(s), torch.isfinite(gs)) and torch.isfinite(s).tolist() == [0, 0, 0, 0, 1]
-    assert torch.equal(y, gy) and float(s[4]) == float(gs[4])
+    assert torch.equal(y[:4], gy[:4])  # the non-finite rows: codes 0
+    for c in compare_outputs((y[4:], s[4:]), (gy[4:], gs[4:]), ("y", "scale")):  # an fp32 row: within an ulp
+        assert c.passed, c.reason
     q = run("gelu_quant", kernel, x, torch.tensor([0.05]), torch.tensor([2.0]), approximate=approximate)
     gq = GOLDEN["gelu_quant"](x, torch.tensor([0.05]), torch.tensor([2.0]), None, approximate)
     plus_inf = x == float("inf")  # GELU's limit, inf (code 127), here; torch's oneDNN erf GELU gives NaN (code 0)

@@ -9,6 +9,7 @@ import torch
 
 import pypto_gym
 from pypto_gym import ops
+from pypto_gym.precision import compare_outputs
 
 from models import qwen3_vl_inputs, tiny_qwen3_vl
 
@@ -197,15 +198,16 @@ def test_each_gelu_mlp_quantises_its_own_gelu_form_for_fc2(quantised, monkeypatc
         site = mlp.__dict__["_pypto_gym_site"]
         seen = []
         hook = site.fc2.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
-        x = torch.randn(8, site.norm_width or site.fc1.in_features)
+        x = torch.randn(8, site.norm_width or site.fc1.in_features, generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             mlp(x)
         hook.remove()
         (h, approximate, (q, scale)), = calls
         calls.clear()
         assert approximate == form and torch.equal(seen[0], (q.float() * scale.unsqueeze(-1)).to(h.dtype)), path
-        want = torch.nn.functional.gelu(h, approximate=form)
-        assert torch.equal(ops.dynamic_quant(want, backend="torch")[0], q), path
+        want = ops.dynamic_quant(torch.nn.functional.gelu(h, approximate=form), backend="torch")
+        for c in compare_outputs((q, scale), want, ("y", "scale")):  # the cpu kernel's GELU: within an fp32 ulp
+            assert c.passed, (path, c.reason)
 
 
 def test_both_export_formats_load_back_bit_for_bit(quantised, tmp_path):

@@ -312,7 +312,7 @@ def npu_gelu(input, approximate="none"):
     dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if _a2_a3() else ())
     _check(input.dtype in dtypes, f"npu_gelu: dtype {input.dtype}")
     _check(approximate in ("none", "tanh"), f"npu_gelu: approximate {approximate!r}; expected 'none' or 'tanh'")
-    return torch.nn.functional.gelu(input.float(), approximate=approximate).to(input.dtype)
+    return torch.nn.functional.gelu(input, approximate=approximate)  # the form asked, in input's dtype
 
 
 def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None):
