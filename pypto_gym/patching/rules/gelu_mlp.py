@@ -17,9 +17,9 @@ module's fc2 (its hooks stay; its bias in the GEMM's epilogue on the cpu backend
 the fused kernel; the `torch` backend runs the golden (HF's two roundings, bit-identical); the `npu` backend runs
 F.linear then torch_npu.npu_gelu in the module's form (kernels/npu/linear.py: torch's own gelu on an NPU computes the
 tanh form whatever it is asked, so there the site is what computes a merger's erf GELU as the model asks); on PyPTO
-the site is skipped with the reason (no linear kernel), the module's own kernels run. Under W8A8 the site's quant half (quant/gelu_mlp.py) runs fc1, then the GELU and
-the quantisation of its output as one op for an int8 fc2; an int8 fc1 whose fc2 stays float runs in the module's
-forward, counted.
+the site is skipped with the reason (no linear kernel), the module's own kernels run. Under W8A8 the site's quant half
+(quant/gelu_mlp.py) runs fc1, then the GELU and the quantisation of its output as one op for an int8 fc2; an int8 fc1
+whose fc2 stays float runs in the module's forward, counted.
 """
 from __future__ import annotations
 
@@ -161,7 +161,8 @@ class GeluMlpRule(Rule):
         backend = getattr(options, "backend", "auto")
         if backend not in RUNS_ON or (backend == "auto" and pair[0].weight.device.type not in ("cpu", "npu")):
             where = f"the {backend} backend" if backend != "auto" else f"{pair[0].weight.device.type} tensors"
-            cand.reason = f"no linear + GELU for {where} (the cpu, torch and npu backends have one); the module's kernels run"
+            cand.reason = (f"no linear + GELU for {where} (the cpu, torch and npu backends have one); the module's "
+                           f"kernels run")
             return cand
         others = [name for name, child in module.named_children()
                   if child not in pair and any(True for _ in child.parameters())]
