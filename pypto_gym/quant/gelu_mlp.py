@@ -11,7 +11,6 @@ quantises its own input, so a calibration file and an export are the same with o
 from __future__ import annotations
 
 from .. import ops
-from ..ops.defs.linear import ACTIVATIONS
 from ..patching.rules.gelu_mlp import regrouped
 from ..patching.site import has_hooks
 from . import activations
@@ -28,7 +27,7 @@ class QuantGeluMlp(activations.Producer):
         if site.norm is not None:
             x = regrouped(site.norm, site.norm_width, x, site.fc1)
         h = site.fc1(x)
-        approximate, backend, stats = ACTIVATIONS[site.activation], site.call.backend, site.stats
+        approximate, backend, stats = site.approximate, site.call.backend, site.stats
         if self.static is not None:
             q = ops.gelu_quant(h, *self.static, self.inv_smooth, approximate=approximate, backend=backend,
                                stats=stats)

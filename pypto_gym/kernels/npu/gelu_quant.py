@@ -28,9 +28,10 @@ def npu_gelu_supports(backend, x) -> str | None:
     name = backend.device_name(x.device.index)
     if name.startswith(NOT_ON_ITS_PAGE):
         return f"{NAME}: {name} is not among its page's products (Atlas A2, training and inference series)"
-    dtypes = (torch.float32, *HALF) if backend.series_of(x) == "a2_a3" else (torch.float32, torch.float16)
+    series = backend.series_of(x)
+    dtypes = (torch.float32, *HALF) if series == "a2_a3" else (torch.float32, torch.float16)
     if x.dtype not in dtypes:
-        return f"{NAME}: dtype {dtype_name(x.dtype)} not supported on {backend.series_of(x)} chips"
+        return f"{NAME}: dtype {dtype_name(x.dtype)} not supported on {series} chips"
     return None
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import config
-from ...ops.defs.linear import LINEAR
+from ...ops.defs.linear import ACTIVATIONS, LINEAR
 from ..site import Candidate, Rule, Site, has_hooks, probe_failed, register, torch_hooks_set_aside, weight_details
 
 _STATE = config.STATE
@@ -65,7 +65,7 @@ def _activation_form(act) -> str:
     except Exception:  # noqa: BLE001 - an activation that cannot run on a vector names no form
         return ""
     return next((a for a in ("gelu_tanh", "gelu") if isinstance(y, torch.Tensor) and y.shape == h.shape
-                 and torch.equal(y, F.gelu(h, approximate="tanh" if a == "gelu_tanh" else "none"))), "")
+                 and torch.equal(y, F.gelu(h, approximate=ACTIVATIONS[a]))), "")
 
 
 def _probe(module, fc1, fc2, norm=None, act=None) -> tuple[str, str]:
@@ -112,6 +112,7 @@ class GeluMlpSite(Site):
     def __init__(self, cand: Candidate, options):
         super().__init__(cand.module, cand.paths, cand.kind, options.backend, options.strict)
         self.activation = cand.info["activation"]
+        self.approximate = ACTIVATIONS[self.activation]  # F.gelu's form, for the W8A8 half's gelu quant ops
         self.fc1, self.fc2 = _linears(cand.module)
         self.norm = cand.info["norm"]  # a patch merger's norm (run as a module, before the regrouping), or None
         self.norm_width = None if self.norm is None else _norm_width(self.norm)
